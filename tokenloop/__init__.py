@@ -1,0 +1,1 @@
+"""tokenloop: a small LLM serving engine."""

@@ -1,0 +1,126 @@
+"""Configuration: frozen dataclasses, validated on creation.
+
+`ModelConfig` describes a checkpoint's architecture (filled in by the loader). `CacheConfig`,
+`SchedulerConfig` and `EngineConfig` describe how the engine runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tokenloop.errors import ConfigError
+
+RopeType = Literal["default", "linear", "llama3"]
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How rotary frequencies are stretched for long contexts (HF `rope_scaling`)."""
+
+    rope_type: RopeType = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        _require(self.rope_type in ("default", "linear", "llama3"),
+                 f"rope_scaling type {self.rope_type!r} is not supported (default, linear, llama3)")
+        _require(self.factor > 0, f"rope_scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3":
+            _require(self.high_freq_factor > self.low_freq_factor,
+                     "llama3 rope_scaling needs high_freq_factor > low_freq_factor")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, as read from a checkpoint."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.architecture in SUPPORTED_ARCHITECTURES,
+                 f"architecture {self.architecture!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        _require(self.num_heads % self.num_kv_heads == 0,
+                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        _require(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and how many blocks (or how many bytes) to allocate."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derive from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+                 f"block_size must be a power of two, got {self.block_size}")
+        _require(self.num_blocks is None or self.num_blocks > 0,
+                 f"num_blocks must be > 0, got {self.num_blocks}")
+        _require(self.kv_cache_memory_bytes > 0,
+                 f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budgets and the scheduling policy."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    # A waiting request that would take more than this many tokens in one step is cut into chunks.
+    long_prefill_token_threshold: int = 0  # 0: only the step budget limits a chunk
+    max_waiting: int | None = None  # bound on queued requests; None = unbounded
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens > 0,
+                 f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
+        _require(self.max_waiting is None or self.max_waiting >= 0, "max_waiting must be >= 0")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to run one model: model source, device, dtype and the budgets."""
+
+    model: str = "smollm2-135m-instruct"
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the model's context length
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("float32", "float16", "bfloat16"),
+                 f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        _require(self.max_model_len is None or self.max_model_len > 0,
+                 f"max_model_len must be > 0, got {self.max_model_len}")

@@ -1,0 +1,45 @@
+"""The tokenloop error hierarchy.
+
+Every error a caller can act on derives from `TokenloopError`. The server maps each class to an
+OpenAI-format error body and an HTTP status; the engine loop never swallows one silently: it fails
+the request that caused it and keeps serving the others.
+"""
+
+from __future__ import annotations
+
+
+class TokenloopError(Exception):
+    """Base class of every error tokenloop raises on purpose."""
+
+
+class ConfigError(TokenloopError, ValueError):
+    """A configuration value is out of range or inconsistent with another."""
+
+
+class ModelLoadError(TokenloopError):
+    """A checkpoint could not be read: truncated, malformed, or of an unsupported kind."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """A model name or path resolves to nothing on this machine."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint is readable but describes an architecture or tensor type we do not run."""
+
+
+class InvalidRequestError(TokenloopError, ValueError):
+    """A request's inputs are invalid; `param` names the offending field when there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class CapacityError(TokenloopError):
+    """The engine cannot accept more work right now (queue full); retry later."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

@@ -1,0 +1,247 @@
+"""A request's identity, settings, lifecycle state and timestamps.
+
+Times are integer nanoseconds from one injectable monotonic clock, so derived latencies add up
+exactly: e2e == ttft + sum(itls) holds to the nanosecond, not merely within float rounding.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from tokenloop.errors import InvalidRequestError
+
+Clock = Callable[[], int]
+"""A monotonic clock returning integer nanoseconds (default: `time.monotonic_ns`)."""
+
+NS_PER_S = 1_000_000_000
+
+
+def default_clock() -> int:
+    return time.monotonic_ns()
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style finish reason: stop, length, abort or error."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; field names and defaults follow vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # number of top alternatives to return with each sampled token
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k < 0:
+            self.top_k = 0
+        checks: list[tuple[bool, str, str]] = [
+            (self.n >= 1, "n", f"n must be >= 1, got {self.n}"),
+            (self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty",
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.repetition_penalty > 0, "repetition_penalty",
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+             f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidRequestError(message, param=param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RequestTimes:
+    """Lifecycle timestamps (ns) and the latencies derived from them."""
+
+    arrival: int
+    first_scheduled: int | None = None
+    first_token: int | None = None
+    token_times: list[int] = field(default_factory=list)
+    finished: int | None = None
+
+    def record_token(self, now: int) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        self.token_times.append(now)
+
+    @property
+    def last_token(self) -> int | None:
+        return self.token_times[-1] if self.token_times else None
+
+    @property
+    def queue_wait_ns(self) -> int | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft_ns(self) -> int | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def itls_ns(self) -> list[int]:
+        times = self.token_times
+        return [later - earlier for earlier, later in zip(times, times[1:])]
+
+    @property
+    def tpot_ns(self) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def e2e_ns(self) -> int | None:
+        """Arrival to the last token (or to the end, for a request that produced none)."""
+        end = self.last_token if self.last_token is not None else self.finished
+        return None if end is None else end - self.arrival
+
+    @property
+    def prefill_ns(self) -> int | None:
+        if self.first_scheduled is None or self.first_token is None:
+            return None
+        return self.first_token - self.first_scheduled
+
+    @property
+    def decode_ns(self) -> int | None:
+        if self.first_token is None:
+            return None
+        return self.token_times[-1] - self.first_token
+
+
+class Request:
+    """One sequence going around the serving loop.
+
+    `all_token_ids` is prompt + output; `num_computed_tokens` counts the tokens whose K/V are in the
+    cache. Every step the scheduler gives the request some tokens so it catches up towards
+    `num_tokens`; when it is caught up, the step samples one new token.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        arrival_ns: int,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        user: str | None = None,
+        cache_salt: str | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.user = user
+        self.cache_salt = cache_salt
+        self.eos_token_id = eos_token_id
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.times = RequestTimes(arrival=arrival_ns)
+        # Chained hashes of this request's full blocks, filled in lazily by the KV cache manager.
+        self.block_hashes: list[int] = []
+        # A seeded request draws from its own generator so that batching does not change its output.
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.finish_reason
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
