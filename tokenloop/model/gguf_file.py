@@ -148,7 +148,7 @@ class GGUFFile:
         data = self.raw(name)
         kind = info.tensor_type
         if kind == GGMLQuantizationType.F32:
-            values = data.view(np.float32)
+            values = data.view(np.float32).copy()  # own the memory: the map is read-only
         elif kind == GGMLQuantizationType.F16:
             values = data.view(np.float16).astype(np.float32)
         else:

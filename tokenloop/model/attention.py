@@ -1,0 +1,167 @@
+"""Paged attention: write new K/V at their slots, attend over each request's block table.
+
+The KV cache of one layer is a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`.
+A slot is `block_id * block_size + offset`. Everything that depends only on the step (which slots to
+read, masks, which requests decode) is built once in `AttentionMetadata.build` and reused by every
+layer; a layer only gathers and multiplies.
+
+Requests with one query token (decode) are attended together as one padded batch; requests with
+several (prefill chunks) are attended one by one, since padding a 512-token chunk next to 31 decodes
+would multiply the work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeGroup:
+    """Requests with exactly one new token this step, attended as one padded batch."""
+
+    token_index: torch.Tensor  # [Bd] positions of their query tokens in the flat batch
+    block_index: torch.Tensor  # [Bd, max_blocks] block ids to read (padding repeats a valid block)
+    mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool: True where the key is attended
+
+
+@dataclass
+class PrefillSpan:
+    """One request with several new tokens: a prefill chunk, or a prompt continuing after a prefix hit."""
+
+    token_start: int
+    token_end: int
+    context_slots: torch.Tensor | None  # [seq_len] slots to read; None when the context is only this step's tokens
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, causal aligned bottom-right; None when fresh (plain causal)
+
+
+@dataclass
+class AttentionMetadata:
+    """The flat batch's attention layout, shared by every layer of one forward."""
+
+    slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
+    query_start_loc: list[int]  # [B+1]
+    seq_lens: list[int]  # [B] context length after this step, per request
+    block_table: torch.Tensor  # [B, max_blocks]
+    block_size: int
+    decode: DecodeGroup | None
+    prefills: list[PrefillSpan]
+
+    @classmethod
+    def build(
+        cls,
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_size: int,
+    ) -> AttentionMetadata:
+        device = slot_mapping.device
+        query_lens = [end - start for start, end in zip(query_start_loc, query_start_loc[1:])]
+        decode_rows = [row for row, length in enumerate(query_lens) if length == 1]
+        decode: DecodeGroup | None = None
+        if decode_rows:
+            rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            lens = torch.tensor([seq_lens[r] for r in decode_rows], dtype=torch.long, device=device)
+            max_blocks = (int(lens.max()) + block_size - 1) // block_size
+            blocks = block_table.index_select(0, rows)[:, :max_blocks]
+            # Padding entries past a request's last block may hold garbage ids: point them at its first block.
+            valid_blocks = (lens + block_size - 1) // block_size
+            block_pos = torch.arange(max_blocks, device=device)
+            blocks = torch.where(block_pos[None, :] < valid_blocks[:, None], blocks, blocks[:, :1])
+            key_pos = torch.arange(max_blocks * block_size, device=device)
+            mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
+            token_index = torch.tensor([query_start_loc[r] for r in decode_rows], dtype=torch.long, device=device)
+            decode = DecodeGroup(token_index=token_index, block_index=blocks, mask=mask)
+
+        prefills: list[PrefillSpan] = []
+        for row, q_len in enumerate(query_lens):
+            if q_len <= 1:
+                continue
+            seq_len = seq_lens[row]
+            start = query_start_loc[row]
+            if seq_len == q_len:  # nothing cached before this chunk: attend over the new K/V directly
+                prefills.append(PrefillSpan(start, start + q_len, None, None))
+                continue
+            positions = torch.arange(seq_len, device=device)
+            slots = block_table[row, positions // block_size] * block_size + positions % block_size
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+            mask = positions[None, :] <= query_pos[:, None]
+            prefills.append(PrefillSpan(start, start + q_len, slots, mask))
+        return cls(slot_mapping, list(query_start_loc), list(seq_lens), block_table, block_size, decode, prefills)
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store this step's K/V ([T, KVH, D]) at their slots."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write K/V, then attend. query [T, H, D], key/value [T, KVH, D] -> output [T, H, D]."""
+    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    output = torch.empty_like(query)
+
+    if meta.decode is not None:
+        d = meta.decode
+        batch, max_blocks = d.block_index.shape
+        context = max_blocks * meta.block_size
+        # [Bd, max_blocks, bs, KVH, D] -> [Bd, KVH, S, D]; whole blocks are gathered, not single slots.
+        block_ids = d.block_index.view(-1)  # index_select copies whole blocks; advanced indexing is ~10x slower
+        keys = key_cache.index_select(0, block_ids).view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
+        values = value_cache.index_select(0, block_ids).view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
+        # Heads sharing a KV head become that head's query rows: no K/V repeat for GQA.
+        q = query.index_select(0, d.token_index).view(batch, num_kv_heads, group, head_dim)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=d.mask, scale=scale)
+        output.index_copy_(0, d.token_index, attended.reshape(batch, num_heads, head_dim))
+
+    flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_values = value_cache.view(-1, num_kv_heads, head_dim)
+    for span in meta.prefills:
+        q = query[span.token_start:span.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        if span.context_slots is None:
+            k = key[span.token_start:span.token_end]
+            v = value[span.token_start:span.token_end]
+        else:
+            k = flat_keys.index_select(0, span.context_slots)
+            v = flat_values.index_select(0, span.context_slots)
+        k = k.transpose(0, 1).unsqueeze(0)
+        v = v.transpose(0, 1).unsqueeze(0)
+        attended = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=group > 1)
+        output[span.token_start:span.token_end] = attended.squeeze(0).transpose(0, 1)
+    return output
+
+
+def dense_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """Reference attention for one whole sequence: query [L, H, D], key/value [L, KVH, D].
+
+    Plain math with explicit head repetition; tests compare the paged path against it.
+    """
+    group = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(group, dim=1)
+    v = value.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query, k) * scale
+    length = query.shape[0]
+    causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)

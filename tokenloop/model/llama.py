@@ -1,0 +1,176 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+One forward takes a flat batch mixing prefill chunks and decode tokens of different requests and
+returns logits only for the tokens that will be sampled. Weights are held as plain tensors, Q/K/V and
+gate/up fused into one matrix each, so a layer is a handful of large GEMMs and little Python.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenloop.config import ModelConfig, RopeScaling
+from tokenloop.errors import ModelLoadError
+from tokenloop.model.attention import AttentionMetadata, paged_attention
+
+
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling, freq_factors: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Inverse rotary frequencies [head_dim / 2], with default, linear or llama3 scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if freq_factors is not None:  # llama.cpp stores llama3 scaling as per-frequency divisors
+        return (inv_freq / freq_factors.to(torch.float64)).float()
+    if scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        original = scaling.original_max_position_embeddings
+        low_wavelen = original / scaling.low_freq_factor
+        high_wavelen = original / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate half-split pairs (HF's rotate_half convention). x [T, heads, D]; cos/sin [T, 1, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_attention_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+class LlamaModel:
+    """A Llama-family decoder. Build it with `from_weights`, run it with `forward`."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        inv_freq: torch.Tensor,
+        max_positions: int,
+    ) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.device = embed.device
+        self.dtype = embed.dtype
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)
+        angles = torch.outer(positions, inv_freq.to(self.device))
+        self.rope_cos = angles.cos().to(self.dtype)
+        self.rope_sin = angles.sin().to(self.dtype)
+
+    @classmethod
+    def from_weights(
+        cls,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_positions: int | None = None,
+    ) -> LlamaModel:
+        """Build from HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
+            return weights[name].to(device=device, dtype=dtype)
+
+        def fuse(names: list[str]) -> torch.Tensor:
+            return torch.cat([take(n) for n in names], dim=0).contiguous()
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            attn = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+            bias = None
+            if config.attention_bias:
+                bias = fuse([p + f"self_attn.{x}_proj.bias" for x in "qkv"])
+            layers.append(LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=fuse(attn),
+                qkv_bias=bias,
+                o_proj=take(p + "self_attn.o_proj.weight").contiguous(),
+                post_attention_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=take(p + "mlp.down_proj.weight").contiguous(),
+            ))
+        embed = take("model.embed_tokens.weight").contiguous()
+        lm_head = embed if config.tie_word_embeddings or "lm_head.weight" not in weights else take("lm_head.weight")
+        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
+                                            weights.get("rope_freqs"))
+        positions = max_positions or config.max_position_embeddings
+        return cls(config, embed, layers, take("model.norm.weight"), lm_head, inv_freq, positions)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.layers]
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.config.num_layers * block_size * self.config.num_kv_heads * self.config.head_dim * element
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [N, vocab] for the N tokens in `logits_indices` (all if None)."""
+        cfg = self.config
+        num_tokens = input_ids.shape[0]
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
+
+        hidden = self.embed.index_select(0, input_ids)
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            normed = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = apply_rope(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            attended = paged_attention(q, k, v, key_cache, value_cache, attn, self.scale)
+            hidden = hidden + F.linear(attended.view(num_tokens, q_size), layer.o_proj)
+
+            normed = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+
+        if logits_indices is not None:
+            hidden = hidden.index_select(0, logits_indices)
+        return F.linear(rms_norm(hidden, self.final_norm, cfg.rms_norm_eps), self.lm_head)

