@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.tiny_tokenizer import build_tiny_tokenizer_dir
+from tests.tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer_dir
 
 TINY_CONFIG = {
     "model_type": "llama",
@@ -31,8 +31,7 @@ TINY_CONFIG = {
 def write_tiny_llama(path: Path, seed: int = 0) -> Path:
     """A 2-layer, width-64 random Llama as config.json + model.safetensors + tokenizer files."""
     build_tiny_tokenizer_dir(path)
-    vocab_size = len(json.loads((path / "tokenizer.json").read_text())["model"]["vocab"])
-    vocab_size += len(json.loads((path / "tokenizer.json").read_text()).get("added_tokens", []))
+    vocab_size = TINY_VOCAB_SIZE
     config = dict(TINY_CONFIG, vocab_size=vocab_size, bos_token_id=None, eos_token_id=None)
     hidden, inter, heads, kv_heads = 64, 128, 4, 2
     head_dim = hidden // heads

