@@ -84,14 +84,17 @@ def test_greedy_applies_penalties() -> None:
 def test_greedy_rows_stay_argmax_in_a_mixed_batch_and_input_is_untouched() -> None:
     torch.manual_seed(1)
     logits = torch.randn(6, 500)
+    logits[5, 9] = 100.0  # EOS leads row 5, but min_tokens=2 with one output token masks it
     before = logits.clone()
-    requests = [make_request(SamplingParams(temperature=0.0 if i % 2 else 0.9, top_p=0.8,
-                                            presence_penalty=0.3 if i == 4 else 0.0), output=[5, 6])
+    requests = [make_request(SamplingParams(temperature=0.0 if i % 2 else 0.9, top_p=0.8, min_tokens=i % 3,
+                                            presence_penalty=0.3 if i == 4 else 0.0,
+                                            logit_bias={7: 1.0} if i == 2 else None), output=[5], eos=9)
                 for i in range(6)]
     out = Sampler(500).sample(logits, requests)
     assert torch.equal(logits, before)
-    for i in (1, 3, 5):
+    for i in (1, 3):
         assert out.token_ids[i] == int(logits[i].argmax())
+    assert out.token_ids[5] == int(logits[5].index_fill(0, torch.tensor([9]), NEG_INF).argmax())
 
 
 # ---- each processor alone -----------------------------------------------------------------------
@@ -364,3 +367,31 @@ def test_sampled_token_is_never_masked(batch: tuple[torch.Tensor, list[Request]]
             assert token_id == int(processed[row].argmax())
         if requests[row].sampling_params.logprobs is not None:
             assert out.logprobs[row] is not None and out.logprobs[row].token_id == token_id
+
+
+def test_inverse_cdf_edges_never_pick_zero_probability_tokens() -> None:
+    vocab = 1000  # four draw blocks, the last one padded
+    probs = torch.zeros(1, vocab)
+    probs[0, [3, 300, 301, 999]] = torch.tensor([1e-30, 0.5, 1e-12, 0.25])
+    positive = {3, 300, 301, 999}
+    one_below = 1.0 - 2.0 ** -53
+    for u in (0.0, 1e-31, 0.3, 0.6666, 0.9999999, one_below):
+        tokens, drawable = sampler_module._inverse_cdf(probs, torch.tensor([u], dtype=torch.float64))
+        assert bool(drawable[0]) and int(tokens[0]) in positive, u
+    tokens, _ = sampler_module._inverse_cdf(probs, torch.tensor([one_below], dtype=torch.float64))
+    assert int(tokens[0]) == 999
+    _, drawable = sampler_module._inverse_cdf(torch.zeros(2, 10), torch.zeros(2, dtype=torch.float64))
+    assert not bool(drawable.any())
+
+
+def test_draws_across_draw_blocks_follow_softmax() -> None:
+    vocab = 3000  # several draw blocks, the last one padded
+    logits = torch.full((vocab,), -4.0)
+    picked = [5, 255, 256, 1000, 2047, 2048, 2999]
+    logits[picked] = torch.tensor([0.0, 1.0, 2.0, 0.5, 1.5, -1.0, 2.5])
+    probs = torch.softmax(logits.double(), dim=0)
+    expected = probs[picked].tolist() + [1.0 - float(probs[picked].sum())]
+    tokens = Sampler(vocab, seed=1).sample(logits.expand(3000, -1).contiguous(),
+                                           [make_request(SamplingParams()) for _ in range(3000)]).token_ids
+    counts = [tokens.count(t) for t in picked] + [sum(t not in picked for t in tokens)]
+    assert_follows(counts, expected)

@@ -13,6 +13,7 @@ from tokenloop.errors import ConfigError
 
 RopeType = Literal["default", "linear", "llama3"]
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "fair")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -98,13 +99,29 @@ class SchedulerConfig:
     # A waiting request that would take more than this many tokens in one step is cut into chunks.
     long_prefill_token_threshold: int = 0  # 0: only the step budget limits a chunk
     max_waiting: int | None = None  # bound on queued requests; None = unbounded
+    # Aging, so that no request starves: its rank improves in proportion to its age (time since arrival).
+    priority_aging_per_s: float = 0.1  # `priority`: priority levels gained per second of age
+    sjf_aging_tokens_per_s: float = 100.0  # `sjf`: tokens of remaining work forgiven per second of age
+    # `fair` (virtual token counters): what one served token costs its user.
+    fair_prompt_token_weight: float = 1.0
+    fair_output_token_weight: float = 2.0
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens > 0,
                  f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        _require(self.policy in SCHEDULING_POLICIES,
+                 f"unknown scheduling policy {self.policy!r} (valid: {', '.join(SCHEDULING_POLICIES)})")
         _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
         _require(self.max_waiting is None or self.max_waiting >= 0, "max_waiting must be >= 0")
+        _require(self.priority_aging_per_s >= 0,
+                 f"priority_aging_per_s must be >= 0, got {self.priority_aging_per_s}")
+        _require(self.sjf_aging_tokens_per_s >= 0,
+                 f"sjf_aging_tokens_per_s must be >= 0, got {self.sjf_aging_tokens_per_s}")
+        _require(self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0,
+                 "fair_prompt_token_weight and fair_output_token_weight must be >= 0")
+        _require(self.fair_prompt_token_weight + self.fair_output_token_weight > 0,
+                 "fair_prompt_token_weight and fair_output_token_weight must not both be 0")
 
 
 @dataclass(frozen=True)

@@ -43,3 +43,11 @@ class CapacityError(TokenloopError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class RequestFailedError(TokenloopError):
+    """A request failed inside the engine (the step that ran it raised); the server keeps serving others."""
+
+
+class EngineStoppedError(TokenloopError):
+    """The engine is shutting down or has stopped and accepts no new requests."""

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
-from hypothesis import settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tokenloop.config import SCHEDULING_POLICIES, SchedulerConfig
 from tokenloop.core.kv_cache import KVCacheManager
+from tokenloop.core.policy import FairSharePolicy
 from tokenloop.core.scheduler import Scheduler, SchedulerOutput
 from tokenloop.errors import CapacityError, InvalidRequestError
 from tokenloop.request import Request, RequestStatus, SamplingParams
@@ -60,6 +61,14 @@ class Harness:
         self.sched.add_request(request)
         self.requests[request_id] = request
         return request
+
+    def could_never_run(self, prompt: list[int], max_tokens: int | None) -> bool:
+        """Whether add_request was right to turn this request away."""
+        probe = Request("probe", prompt, SamplingParams(max_tokens=max_tokens), 0)
+        too_long = len(prompt) > self.max_model_len
+        no_step = not self.config.enable_chunked_prefill and len(prompt) > self.config.max_num_batched_tokens
+        too_big = self.kv.num_blocks_for(self.sched.max_kv_tokens(probe)) > self.kv.num_blocks
+        return too_long or no_step or too_big
 
     def live(self) -> list[Request]:
         return self.sched.running_requests() + self.sched.waiting_requests()
@@ -230,7 +239,7 @@ def test_admission_uses_prefix_hits_and_stamps_first_scheduled() -> None:
 
 def test_waiting_request_never_preempts() -> None:
     h = Harness(config(max_num_batched_tokens=64), num_blocks=4, block_size=4)
-    h.add(12, max_tokens=3)  # 3 blocks
+    h.add(11, max_tokens=2)  # 3 blocks
     h.step()
     h.add(6, max_tokens=2)  # needs 2 blocks, 1 free
     out = h.step()
@@ -241,11 +250,26 @@ def test_waiting_request_never_preempts() -> None:
 
 def test_a_blocked_waiting_request_is_not_overtaken() -> None:
     h = Harness(config(max_num_batched_tokens=64), num_blocks=4, block_size=4)
-    h.add(12, max_tokens=3)
+    h.add(11, max_tokens=2)  # 3 blocks, 1 left free
     h.step()
-    h.add(6, max_tokens=2)  # blocked
-    h.add(2, max_tokens=2)  # would fit, but must not jump the queue under fcfs
+    h.add(6, max_tokens=2)  # blocked: needs 2
+    h.add(2, max_tokens=2)  # would fit in the free block, but must not jump the queue
     assert plan(h.step()) == [("r0", 1)]
+    h.drain()
+
+
+def test_no_admission_in_a_step_that_preempted() -> None:
+    h = Harness(config(max_num_batched_tokens=64, max_num_seqs=2, policy="priority",
+                       priority_aging_per_s=0.0), num_blocks=5, block_size=4)
+    early = h.add(7, max_tokens=10, priority=1)
+    late = h.add(7, max_tokens=10, priority=2)
+    h.step()
+    urgent = h.add(3, max_tokens=2, priority=0)  # first in line, but the running set is full
+    h.step()
+    out = h.step()  # early takes the free block, late must go; urgent would now fit
+    assert [r.request_id for r in out.preempted] == [late.request_id]
+    assert plan(out) == [(early.request_id, 1)] and urgent.status is RequestStatus.WAITING
+    assert plan(h.step())[-1] == (urgent.request_id, 3)  # admitted the step after
     h.drain()
 
 
@@ -280,6 +304,22 @@ def test_a_request_can_preempt_itself_when_ranked_last() -> None:
     # high runs first and takes the last free block; low then finds none and is its own victim.
     assert plan(out) == [(high.request_id, 1)]
     assert [r.request_id for r in out.preempted] == [low.request_id]
+    h.drain()
+
+
+def test_a_request_already_scheduled_this_step_is_never_the_victim() -> None:
+    # Under fair share the ranking moves within a step: a's decode lifts its counter above b's.
+    h = Harness(config(max_num_batched_tokens=64, policy="fair"), num_blocks=4, block_size=4)
+    a = h.add(5, max_tokens=10, user="a")
+    b = h.add(7, max_tokens=10, user="b")
+    h.step()
+    h.step()  # a at 6 of 7 tokens in its 2 blocks, b at 8 of 9: b needs a third block next
+    policy = h.sched.policy
+    assert isinstance(policy, FairSharePolicy)
+    policy.counters.update(a=0.0, b=1.0)
+    out = h.step()
+    assert policy.counter("a") > policy.counter("b")
+    assert plan(out) == [(a.request_id, 1)] and out.preempted == [b]
     h.drain()
 
 
@@ -434,11 +474,30 @@ def test_sjf_aging_prevents_starvation(aging: float, starves: bool) -> None:
 
 # ---- randomized: arrivals, aborts, priorities, users, a tiny pool -------------------------------------
 
+@dataclass
+class Arrival:
+    step: int
+    prompt: list[int]
+    max_tokens: int | None
+    priority: int
+    user: str | None
+    salt: str | None
+
+
+arrivals = st.builds(
+    Arrival, step=st.integers(0, 15),
+    prompt=st.builds(lambda prefix, tail: list(prefix) + tail,
+                     st.sampled_from([(), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (5, 5, 5)]),
+                     st.lists(st.integers(0, 3), min_size=1, max_size=12)),
+    max_tokens=st.one_of(st.integers(1, 10), st.integers(1, 10), st.none()), priority=st.integers(0, 3),
+    user=st.sampled_from([None, "ann", "bob", "cy"]), salt=st.sampled_from([None, None, None, "s"]))
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """Random workloads through Scheduler + KVCacheManager; `Harness.step` checks every step, `drain`
     checks that everything finishes and that no block stays referenced."""
 
-    @initialize(policy=st.sampled_from(SCHEDULING_POLICIES), num_blocks=st.integers(3, 14),
+    @initialize(policy=st.sampled_from(SCHEDULING_POLICIES), num_blocks=st.integers(4, 14),
                 block_size=st.sampled_from([2, 4]), budget=st.integers(2, 24), max_seqs=st.integers(1, 4),
                 chunked=st.booleans(), threshold=st.sampled_from([0, 0, 3]), caching=st.booleans(),
                 seed=st.integers(0, 2**16))
@@ -447,25 +506,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy, enable_chunked_prefill=chunked,
             long_prefill_token_threshold=threshold, priority_aging_per_s=2.0, sjf_aging_tokens_per_s=50.0)
-        self.h = Harness(scheduler_config, num_blocks, block_size, max_model_len=32, caching=caching, seed=seed)
+        self.h = Harness(scheduler_config, num_blocks, block_size, max_model_len=24, caching=caching, seed=seed)
 
-    @rule(prefix=st.sampled_from([(), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6, 7, 8), (5, 5, 5)]),
-          tail=st.lists(st.integers(0, 3), min_size=1, max_size=14), max_tokens=st.one_of(st.none(), st.integers(1, 12)),
-          priority=st.integers(0, 3), user=st.sampled_from([None, "ann", "bob", "cy"]),
-          salt=st.sampled_from([None, None, "s"]))
-    def add(self, prefix: tuple[int, ...], tail: list[int], max_tokens: int | None, priority: int,
-            user: str | None, salt: str | None) -> None:
+    @rule(batch=st.lists(arrivals, min_size=1, max_size=4))
+    def add(self, batch: list[Arrival]) -> None:
         h = self.h
-        prompt = list(prefix) + tail
-        try:
-            h.add(prompt, max_tokens, priority=priority, user=user, cache_salt=salt)
-        except InvalidRequestError as err:
-            # Only requests that could never run are turned away.
-            probe = Request("probe", prompt, SamplingParams(max_tokens=max_tokens), 0)
-            too_long = len(prompt) > h.max_model_len
-            no_step = not h.config.enable_chunked_prefill and len(prompt) > h.config.max_num_batched_tokens
-            too_big = h.kv.num_blocks_for(h.sched.max_kv_tokens(probe)) > h.kv.num_blocks
-            assert too_long or no_step or too_big, err
+        for arrival in batch:
+            try:
+                h.add(arrival.prompt, arrival.max_tokens, priority=arrival.priority, user=arrival.user,
+                      cache_salt=arrival.salt)
+            except InvalidRequestError as err:
+                assert h.could_never_run(arrival.prompt, arrival.max_tokens), err
 
     @rule()
     def step(self) -> None:
@@ -492,10 +543,50 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if hasattr(self, "h"):
             self.h.drain()
+            stats = self.h.sched.stats()
+            # Reported by --hypothesis-show-statistics: how much of the machinery the examples reach.
+            event(f"policy {self.h.config.policy}")
+            event(f"preempted: {stats.num_preemptions > 0}")
+            event(f"prefix hits: {stats.prefix_cache_hits > 0}")
+            event(f"evictions: {stats.evictions > 0}")
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(policy=st.sampled_from(SCHEDULING_POLICIES), num_blocks=st.integers(4, 14),
+       block_size=st.sampled_from([2, 4]), budget=st.integers(2, 24), max_seqs=st.integers(1, 5),
+       chunked=st.booleans(), threshold=st.sampled_from([0, 0, 3]), caching=st.sampled_from([True, True, False]),
+       workload=st.lists(arrivals, min_size=4, max_size=20),
+       aborts=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 19)), max_size=4), seed=st.integers(0, 999))
+def test_random_workloads_keep_every_invariant_and_finish(
+        policy: str, num_blocks: int, block_size: int, budget: int, max_seqs: int, chunked: bool, threshold: int,
+        caching: bool, workload: list[Arrival], aborts: list[tuple[int, int]], seed: int) -> None:
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy, enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=threshold, priority_aging_per_s=2.0, sjf_aging_tokens_per_s=50.0)
+    h = Harness(scheduler_config, num_blocks, block_size, max_model_len=24, caching=caching, seed=seed)
+    added: list[Request] = []
+    last_step = max(a.step for a in workload)
+    for step in range(last_step + 1):
+        for arrival in (a for a in workload if a.step == step):
+            try:
+                added.append(h.add(arrival.prompt, arrival.max_tokens, priority=arrival.priority,
+                                   user=arrival.user, cache_salt=arrival.salt))
+            except InvalidRequestError as err:
+                assert h.could_never_run(arrival.prompt, arrival.max_tokens), err
+        for abort_step, index in aborts:
+            if abort_step == step and index < len(added):
+                h.sched.finish_request(added[index].request_id, RequestStatus.FINISHED_ABORTED)
+                assert not h.kv.holds_blocks(added[index].request_id)
+        h.step()
+    h.drain()
+    stats = h.sched.stats()
+    event(f"preempted: {stats.num_preemptions > 0}")
+    event(f"prefix hits: {stats.prefix_cache_hits > 0}")
+    event(f"evictions: {stats.evictions > 0}")
 
 
 def test_machine_covers_every_policy() -> None:

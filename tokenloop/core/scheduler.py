@@ -1,0 +1,277 @@
+"""The scheduler: which requests get how many tokens this step, under a token budget and a sequence cap.
+
+There are no prefill and decode phases. Every request has `num_computed_tokens` and catches up towards
+`num_tokens`; each step gives it `min(tokens left, budget left[, long_prefill_token_threshold])`, so a long
+prompt is computed in chunks over several steps while other requests keep decoding. Running requests are
+served first, in policy order, then waiting ones are admitted in policy order. A running request that
+cannot get blocks preempts (by recompute) the running request the policy ranks last; a waiting request
+never preempts anyone: when it does not fit, admission stops for the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenloop.config import SchedulerConfig
+from tokenloop.core.kv_cache import KVCacheManager
+from tokenloop.core.policy import Policy, make_policy
+from tokenloop.errors import CapacityError, InvalidRequestError
+from tokenloop.request import Clock, Request, RequestStatus, default_clock
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens at positions [num_computed_tokens, + num_tokens)."""
+
+    request: Request
+    num_tokens: int
+    num_computed_tokens: int  # the request's computed tokens when scheduled: the first position to compute
+    samples: bool  # the step reaches the end of the request's known tokens, so it samples the next one
+    block_ids: list[int]  # the request's block table after this step's allocation
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of queue lengths and cache counters (prefix-cache numbers in tokens)."""
+
+    num_running: int
+    num_waiting: int
+    num_preempted_waiting: int
+    num_preemptions: int
+    kv_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    evictions: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, prefix caching and preemption by recompute."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        clock: Clock = default_clock,
+        policy: Policy | None = None,
+    ) -> None:
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.policy: Policy = (policy if policy is not None
+                               else make_policy(config.policy, config, max_model_len=max_model_len))
+        # Dicts keyed by request id: O(1) removal, and iteration in insertion order.
+        self._running: dict[str, Request] = {}
+        self._waiting: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queues ------------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def running_requests(self) -> list[Request]:
+        return list(self._running.values())
+
+    def waiting_requests(self) -> list[Request]:
+        return list(self._waiting.values())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._running.get(request_id) or self._waiting.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_preempted_waiting=sum(1 for r in self._waiting.values() if r.status is RequestStatus.PREEMPTED),
+            num_preemptions=self.num_preemptions,
+            kv_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            evictions=kv.evictions,
+        )
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    def max_kv_tokens(self, request: Request) -> int:
+        """The most tokens whose K/V the request can ever need: all but its last possible token."""
+        max_tokens = request.sampling_params.max_tokens
+        final_len = request.num_prompt_tokens + (max_tokens if max_tokens is not None else self.max_model_len)
+        # The last token is sampled but never fed back; the prompt is always computed in full.
+        final_len = max(request.num_prompt_tokens + 1, min(final_len, self.max_model_len))
+        return final_len - 1
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; rejects one that can never run, and refuses when the queue is full."""
+        if request.request_id in self._running or request.request_id in self._waiting:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise InvalidRequestError(f"request {request.request_id!r} is not new ({request.status.value})")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {request.num_prompt_tokens} tokens, more than the maximum context length "
+                f"({self.max_model_len})", param="prompt")
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {request.num_prompt_tokens} tokens, more than fit in one step "
+                f"(max_num_batched_tokens={self.config.max_num_batched_tokens}) with chunked prefill off",
+                param="prompt")
+        kv = self.kv_cache
+        blocks_needed = kv.num_blocks_for(self.max_kv_tokens(request))
+        if blocks_needed > kv.num_blocks:
+            # Such a request would evict everyone and still not fit: it would preempt forever.
+            prompt_fits = kv.num_blocks_for(request.num_prompt_tokens) <= kv.num_blocks
+            raise InvalidRequestError(
+                f"the request may need {self.max_kv_tokens(request)} tokens of KV cache "
+                f"({blocks_needed} blocks of {kv.block_size}) but the whole cache holds only "
+                f"{kv.num_blocks * kv.block_size} tokens ({kv.num_blocks} blocks); "
+                + ("lower max_tokens" if prompt_fits else "shorten the prompt"),
+                param="max_tokens" if prompt_fits else "prompt")
+        if self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
+            raise CapacityError(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        self._waiting[request.request_id] = request
+        self.policy.on_arrival(request, self.clock())
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a waiting, running or preempted request: set `status`, free its blocks.
+
+        Returns the request, or None if the id is unknown or already finished (idempotent).
+        """
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
+        if request is None:
+            return None
+        request.status = status
+        if request.times.finished is None:
+            request.times.finished = self.clock()
+        self.kv_cache.free(request)
+        self.policy.on_finished(request)
+        return request
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    def _chunk(self, num_left: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        n = min(num_left, budget)
+        return min(n, threshold) if threshold > 0 else n
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: drop its blocks; it waits again and recomputes from scratch."""
+        del self._running[request.request_id]
+        self.kv_cache.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting[request.request_id] = request
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: running requests first, then admissions, all in policy order."""
+        now = self.clock()
+        kv = self.kv_cache
+        policy = self.policy
+        budget = self.config.max_num_batched_tokens
+        output = SchedulerOutput()
+        scheduled_ids: set[str] = set()
+
+        def add(request: Request, n: int) -> None:
+            nonlocal budget
+            start = request.num_computed_tokens
+            output.scheduled.append(ScheduledRequest(
+                request=request, num_tokens=n, num_computed_tokens=start,
+                samples=start + n == request.num_tokens, block_ids=kv.get_block_ids(request.request_id)))
+            scheduled_ids.add(request.request_id)
+            budget -= n
+            policy.on_scheduled(request, n)
+
+        for request in policy.order(list(self._running.values()), now):
+            if budget <= 0:
+                break
+            if request.request_id not in self._running:
+                continue  # preempted earlier in this step
+            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if n <= 0:
+                continue  # nothing known left to compute (the caller has not appended a token yet)
+            while kv.allocate(request, n) is None:
+                candidates = [r for r in self._running.values() if r.request_id not in scheduled_ids]
+                victim = policy.victim(candidates, now)
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.request_id in self._running:
+                add(request, n)
+
+        # Admitting right after preempting would only evict again what was just made room for.
+        if not output.preempted:
+            for request in policy.order(list(self._waiting.values()), now):
+                if budget <= 0 or len(self._running) >= self.config.max_num_seqs:
+                    break
+                computed_blocks, num_hit = kv.get_computed_blocks(request)
+                num_left = request.num_tokens - num_hit
+                if self.config.enable_chunked_prefill:
+                    n = self._chunk(num_left, budget)
+                elif num_left <= budget:
+                    n = num_left
+                elif num_left > self.config.max_num_batched_tokens:
+                    # Only a preempted request grows past one step's budget; it must recompute in chunks.
+                    n = budget
+                else:
+                    break  # it waits for a step with room for all of it
+                if kv.allocate(request, n, computed_blocks, num_hit) is None:
+                    break  # waiting requests never preempt; later ones must not overtake it either
+                del self._waiting[request.request_id]
+                self._running[request.request_id] = request
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit
+                if request.times.first_scheduled is None:
+                    request.times.first_scheduled = now
+                    request.num_cached_tokens = num_hit
+                add(request, n)
+
+        output.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return output
+
+    def update_from_output(self, output: SchedulerOutput) -> None:
+        """Advance each scheduled request by the tokens the step computed (the caller appends samples)."""
+        for item in output.scheduled:
+            request = item.request
+            if request.request_id in self._running and request.num_computed_tokens == item.num_computed_tokens:
+                request.num_computed_tokens += item.num_tokens

@@ -1,0 +1,411 @@
+"""LLMEngine: the serving loop itself.
+
+One `step()` goes once around the loop: schedule -> KV allocate/reuse (inside the scheduler) ->
+execute -> sample -> update (append, stop checks) -> release the finished. Unfinished requests simply
+stay with the scheduler for the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from tokenloop.config import EngineConfig
+from tokenloop.core.kv_cache import KVCacheManager
+from tokenloop.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tokenloop.errors import InvalidRequestError
+from tokenloop.model.llama import LlamaModel
+from tokenloop.model.loader import Checkpoint, load_checkpoint
+from tokenloop.request import NS_PER_S, Clock, Request, RequestStatus, SamplingParams, default_clock
+from tokenloop.runner import ModelRunner, RunnerOutput
+from tokenloop.sampler import Sampler, TokenLogprobs
+from tokenloop.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request: cumulative text and tokens, plus what this step added."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    text_delta: str
+    token_ids_delta: list[int]
+    logprobs: list[TokenLogprobs] | None
+    logprobs_delta: list[TokenLogprobs] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None = None  # stop, length, abort or error
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Lifecycle times (seconds on the engine clock) and the latencies derived from them."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+    queue_wait_s: float | None
+    ttft_s: float | None
+    itls_s: list[float]
+    tpot_s: float | None
+    e2e_s: float | None
+    prefill_s: float | None
+    decode_s: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+
+    @classmethod
+    def of(cls, request: Request) -> RequestMetrics:
+        t = request.times
+
+        def s(ns: int | float | None) -> float | None:
+            return None if ns is None else ns / NS_PER_S
+
+        return cls(
+            arrival_time=t.arrival / NS_PER_S, first_scheduled_time=s(t.first_scheduled),
+            first_token_time=s(t.first_token), last_token_time=s(t.last_token), finished_time=s(t.finished),
+            queue_wait_s=s(t.queue_wait_ns), ttft_s=s(t.ttft_ns), itls_s=[x / NS_PER_S for x in t.itls_ns],
+            tpot_s=s(t.tpot_ns), e2e_s=s(t.e2e_ns), prefill_s=s(t.prefill_ns), decode_s=s(t.decode_ns),
+            num_prompt_tokens=request.num_prompt_tokens, num_generation_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions)
+
+
+@dataclass
+class RequestOutput:
+    """What a step produced for one request (vLLM's shape): one CompletionOutput per sample."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[TokenLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class StepStats:
+    """Where one step's time went, for overhead accounting and tracing."""
+
+    num_scheduled: int = 0
+    num_batched_tokens: int = 0
+    num_preempted: int = 0
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.execute_s + self.sample_s + self.update_s
+
+
+@dataclass
+class _Sample:
+    """Engine-side state of one sequence: its scheduler request and its streaming decoder."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprobs] | None
+    cumulative_logprob: float | None
+    reported_tokens: int = 0
+    reported_text: int = 0
+    reported_logprobs: int = 0
+
+
+@dataclass
+class _Group:
+    """A user request: n samples sharing one prompt (and, through the prefix cache, its blocks)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    finished_reported: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+
+class LLMEngine:
+    """The serving loop over one model: `add_request`, `abort_request`, `step`."""
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
+                 clock: Clock = default_clock) -> None:
+        self.config = config
+        self.clock = clock
+        checkpoint = checkpoint or load_checkpoint(config.model)
+        self.checkpoint = checkpoint
+        self.tokenizer: Tokenizer = checkpoint.tokenizer
+        model_config = checkpoint.config
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.model = LlamaModel.from_weights(model_config, checkpoint.weights, device=config.device,
+                                             dtype=_DTYPES[config.dtype], max_positions=self.max_model_len)
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or max(
+            1, config.cache.kv_cache_memory_bytes // self.model.kv_bytes_per_block(block_size))
+        if num_blocks * block_size < self.max_model_len:
+            # A request may grow to max_model_len; a pool smaller than that could never hold it alone.
+            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it to fit",
+                           self.max_model_len, num_blocks * block_size)
+            self.max_model_len = num_blocks * block_size
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock)
+        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
+        self._groups: dict[str, _Group] = {}
+        self._samples: dict[str, tuple[_Group, _Sample]] = {}  # scheduler request id -> its group and sample
+        self._request_counter = itertools.count()
+        self.last_step = StepStats()
+        self.num_steps = 0
+
+    # ---- requests in -----------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | Sequence[int] | None, prompt_token_ids: Sequence[int] | None) -> list[int]:
+        if prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif prompt is not None:
+            ids = list(prompt)
+        else:
+            raise InvalidRequestError("a prompt (text or token ids) is required", param="prompt")
+        vocab = self.checkpoint.config.vocab_size
+        for token in ids:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise InvalidRequestError(f"prompt token {token!r} is not a token id in [0, {vocab})",
+                                          param="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
+        return ids
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | Sequence[int] | None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        priority: int = 0,
+        user: str | None = None,
+        cache_salt: str | None = None,
+        arrival_ns: int | None = None,
+    ) -> str:
+        """Queue a request (text or token ids). Returns its id. Raises InvalidRequestError / CapacityError."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        self.sampler.validate(params)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
+        arrival = self.clock() if arrival_ns is None else arrival_ns
+        text = prompt if isinstance(prompt, str) else None
+        samples: list[_Sample] = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:  # each sample draws its own stream; a seed still makes the set reproducible
+                child_params = dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + index)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(child_id, ids, child_params, arrival, prompt=text, priority=priority, user=user,
+                              cache_salt=cache_salt, eos_token_id=self.tokenizer.eos_token_id)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=list(params.stop or []),
+                include_stop_str_in_output=params.include_stop_str_in_output)
+            wants_logprobs = params.logprobs is not None
+            samples.append(_Sample(index, request, detokenizer, [] if wants_logprobs else None,
+                                   0.0 if wants_logprobs else None))
+        added: list[Request] = []
+        try:
+            for sample in samples:
+                self.scheduler.add_request(sample.request)
+                added.append(sample.request)
+        except Exception:
+            for request in added:  # all samples or none
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+            raise
+        group = _Group(request_id, text, ids, samples, [None] if params.prompt_logprobs is not None else None)
+        self._groups[request_id] = group
+        for sample in samples:
+            self._samples[sample.request.request_id] = (group, sample)
+        return request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Cancel requests: they produce nothing more and their block references are released now."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self._groups.get(request_id)
+            if group is None:
+                continue
+            for sample in group.samples:
+                self.scheduler.finish_request(sample.request.request_id, RequestStatus.FINISHED_ABORTED)
+            self._forget(group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Go around the loop once; return the outputs of every request that progressed or ended."""
+        stats = StepStats()
+        begin = time.perf_counter()
+        schedule = self.scheduler.schedule()
+        stats.schedule_s = time.perf_counter() - begin
+        stats.num_scheduled = len(schedule.scheduled)
+        stats.num_batched_tokens = schedule.num_batched_tokens
+        stats.num_preempted = len(schedule.preempted)
+        self.last_step = stats
+        if schedule.is_empty:
+            return []
+        self.num_steps += 1
+
+        touched: dict[str, _Group] = {}
+        begin = time.perf_counter()
+        try:
+            result = self.runner.execute(schedule)
+        except Exception as exc:  # the batch is lost; fail its requests, keep serving the rest
+            logger.exception("model forward failed")
+            return self._fail(schedule, f"model forward failed: {exc!r}")
+        stats.execute_s = time.perf_counter() - begin
+        self.scheduler.update_from_output(schedule)
+
+        begin = time.perf_counter()
+        sampling = [schedule.scheduled[i].request for i in result.sample_indices]
+        try:
+            sampled = self.sampler.sample(result.logits, sampling) if sampling else None
+        except Exception as exc:
+            logger.exception("sampling failed")
+            return self._fail(schedule, f"sampling failed: {exc!r}")
+        stats.sample_s = time.perf_counter() - begin
+
+        begin = time.perf_counter()
+        self._record_prompt_logprobs(result, touched)
+        now = self.clock()
+        if sampled is not None:
+            for request, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
+                group, sample = self._samples[request.request_id]
+                try:
+                    self._update(sample, token, logprobs, now)
+                except Exception as exc:  # one request's failure must not take the others down
+                    logger.exception("update of %s failed", request.request_id)
+                    request.error = repr(exc)
+                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+                touched[group.request_id] = group
+        outputs = [self._make_output(group) for group in touched.values()]
+        stats.update_s = time.perf_counter() - begin
+        return outputs
+
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for sample in group.samples:
+            self._samples.pop(sample.request.request_id, None)
+
+    def _record_prompt_logprobs(self, result: RunnerOutput, touched: dict[str, _Group]) -> None:
+        for piece in result.prompt_logits:
+            group, _ = self._samples[piece.request_id]
+            if group.prompt_logprobs is None:
+                continue
+            if len(group.prompt_logprobs) != piece.first_target:
+                continue  # recomputed after a preemption, or another sample of the group: already recorded
+            request = group.samples[0].request
+            targets = torch.tensor(group.prompt_token_ids[piece.first_target:piece.first_target
+                                                          + piece.logits.shape[0]])
+            group.prompt_logprobs.extend(self.sampler.prompt_logprobs(
+                piece.logits, targets, request.sampling_params.prompt_logprobs or 0))
+
+    def _update(self, sample: _Sample, token: int, logprobs: TokenLogprobs | None, now: int) -> None:
+        """Append the token, stamp it, detokenize, and run the stop checks in vLLM's order."""
+        request = sample.request
+        params = request.sampling_params
+        request.append_output_token(token)
+        request.times.record_token(now)
+        if sample.logprobs is not None and logprobs is not None:
+            sample.logprobs.append(logprobs)
+            sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + logprobs.logprob
+        can_stop = request.num_output_tokens >= params.min_tokens
+        update = sample.detokenizer.update([token], check_stop=can_stop)
+
+        status: RequestStatus | None = None
+        if can_stop and not params.ignore_eos and token == request.eos_token_id:
+            status = RequestStatus.FINISHED_STOPPED
+        elif can_stop and token in (params.stop_token_ids or ()):
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif update.stop_string is not None:
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, update.stop_string
+        elif request.num_output_tokens >= (params.max_tokens or self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        elif request.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            if update.stop_string is None:
+                sample.detokenizer.finish()
+            request.times.finished = now
+            self.scheduler.finish_request(request.request_id, status)
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for sample in group.samples:
+            request, detok = sample.request, sample.detokenizer
+            text = detok.output_text
+            tokens = request.output_token_ids
+            logprobs_delta = None
+            if sample.logprobs is not None:
+                logprobs_delta = sample.logprobs[sample.reported_logprobs:]
+                sample.reported_logprobs = len(sample.logprobs)
+            completions.append(CompletionOutput(
+                index=sample.index, text=text, token_ids=list(tokens), text_delta=text[sample.reported_text:],
+                token_ids_delta=tokens[sample.reported_tokens:], logprobs=sample.logprobs,
+                logprobs_delta=logprobs_delta, cumulative_logprob=sample.cumulative_logprob,
+                finish_reason=request.finish_reason, stop_reason=request.stop_reason))
+            sample.reported_text, sample.reported_tokens = len(text), len(tokens)
+        finished = group.finished
+        if finished:
+            self._forget(group)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, group.prompt_logprobs,
+                             completions, finished, self._metrics(group))
+
+    @staticmethod
+    def _metrics(group: _Group) -> RequestMetrics:
+        return RequestMetrics.of(group.samples[0].request)
+
+    def _fail(self, schedule: SchedulerOutput, message: str) -> list[RequestOutput]:
+        touched: dict[str, _Group] = {}
+        for item in schedule.scheduled:
+            request = item.request
+            group, _ = self._samples[request.request_id]
+            request.error = message
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+            touched[group.request_id] = group
+        return [self._make_output(group) for group in touched.values()]
