@@ -110,13 +110,19 @@ class StepStats:
     num_batched_tokens: int = 0
     num_preempted: int = 0
     schedule_s: float = 0.0
-    execute_s: float = 0.0
+    execute_s: float = 0.0  # batch building + forward
+    forward_s: float = 0.0  # the model forward alone
     sample_s: float = 0.0
     update_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         return self.schedule_s + self.execute_s + self.sample_s + self.update_s
+
+    @property
+    def overhead_s(self) -> float:
+        """Everything but the model forward: scheduling, batch building, sampling, updates."""
+        return self.total_s - self.forward_s
 
 
 @dataclass
@@ -299,6 +305,7 @@ class LLMEngine:
             logger.exception("model forward failed")
             return self._fail(schedule, f"model forward failed: {exc!r}")
         stats.execute_s = time.perf_counter() - begin
+        stats.forward_s = result.forward_s
         self.scheduler.update_from_output(schedule)
 
         begin = time.perf_counter()

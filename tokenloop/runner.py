@@ -8,6 +8,7 @@ that asked for prompt logprobs.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ class RunnerOutput:
     sample_indices: list[int]
     logits: torch.Tensor  # [len(sample_indices), vocab]
     prompt_logits: list[PromptLogitsSlice] = field(default_factory=list)
+    forward_s: float = 0.0  # time inside the model forward alone; the rest of execute is batch building
 
 
 class ModelRunner:
@@ -88,11 +90,13 @@ class ModelRunner:
 
         meta = AttentionMetadata.build(query_start_loc, seq_lens, table.to(self.device),
                                        torch.cat(slots).to(self.device), block_size)
+        begin = time.perf_counter()
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.cat(positions).to(self.device), meta, self.kv_caches,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device))
         logits = logits.float()
+        forward_s = time.perf_counter() - begin
 
         prompt_logits = [PromptLogitsSlice(rid, first, logits[at:at + count])
                          for rid, first, at, count in prompt_rows]
@@ -100,4 +104,4 @@ class ModelRunner:
         for _, _, at, count in prompt_rows:
             keep[at:at + count] = False
         return RunnerOutput(sample_indices, logits[keep.to(logits.device)] if prompt_rows else logits,
-                            prompt_logits)
+                            prompt_logits, forward_s)

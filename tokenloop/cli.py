@@ -1,0 +1,187 @@
+"""`tokenloop serve | generate`: the command line (room is left for `bench`, `trace`, `simulate`).
+
+    tokenloop serve --model smollm2-135m-instruct --port 8000 --policy fcfs --max-num-seqs 64
+    tokenloop generate "The capital of France is" --max-tokens 32 --temperature 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tokenloop.config import SCHEDULING_POLICIES
+from tokenloop.errors import TokenloopError
+from tokenloop.model.loader import DEFAULT_MODEL
+
+logger = logging.getLogger("tokenloop")
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648, '512MiB', '1.5GB', '1000000' (bytes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1.5GB, 1000000)")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return size
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or HF checkpoint directory "
+                       f"(default: {DEFAULT_MODEL})")
+    group.add_argument("--policy", choices=SCHEDULING_POLICIES, default="fcfs", help="scheduling policy")
+    group.add_argument("--max-num-seqs", type=_positive_int, help="most requests in one step")
+    group.add_argument("--max-num-batched-tokens", type=_positive_int, help="most tokens in one step")
+    kv = group.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=_positive_int, help="KV-cache size in blocks")
+    kv.add_argument("--kv-cache-memory", type=parse_size, help="KV-cache size in bytes (e.g. 2GiB, 512MiB)")
+    group.add_argument("--block-size", type=_positive_int, help="tokens per KV-cache block")
+    group.add_argument("--max-model-len", type=_positive_int, help="context length (default: the model's)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    group.add_argument("--seed", type=int, help="seed of unseeded sampling")
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {"policy": args.policy}
+    for name, key in (("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
+                      ("num_kv_blocks", "num_blocks"), ("kv_cache_memory", "kv_cache_memory_bytes"),
+                      ("block_size", "block_size"), ("max_model_len", "max_model_len"), ("seed", "seed"),
+                      ("max_waiting", "max_waiting")):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[key] = value
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    return options
+
+
+def _load_engine(args: argparse.Namespace):  # noqa: ANN202 - LLMEngine, imported lazily (torch is slow to import)
+    from tokenloop.engine import LLMEngine
+    from tokenloop.llm import build_engine_config
+
+    config = build_engine_config(args.model, **_engine_options(args))
+    begin = time.perf_counter()
+    engine = LLMEngine(config)
+    logger.info("loaded %s in %.1f s: max_model_len=%d, %d KV blocks of %d tokens, policy=%s", args.model,
+                time.perf_counter() - begin, engine.max_model_len, engine.kv_cache.num_blocks,
+                config.cache.block_size, config.scheduler.policy)
+    return engine
+
+
+# ---- serve ----------------------------------------------------------------------------------------
+
+def _serve(args: argparse.Namespace) -> int:
+    from tokenloop.serving.api import create_app
+    from tokenloop.serving.server import serve_forever
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        logger.warning("serving on %s without --api-key: anyone who can reach it may use it", args.host)
+    engine = _load_engine(args)
+    app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=args.api_key,
+                     shutdown_timeout_s=args.shutdown_timeout)
+    logger.info("serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port)
+    serve_forever(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+    logger.info("shut down cleanly")
+    return 0
+
+
+# ---- generate -------------------------------------------------------------------------------------
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenloop.request import SamplingParams
+
+    engine = _load_engine(args)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or None)
+    prompt_ids = None
+    prompt: str = args.prompt
+    if args.chat:
+        tokenizer = engine.tokenizer
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    engine.add_request("generate-0", prompt, params, prompt_token_ids=prompt_ids)
+    begin = time.perf_counter()
+    num_tokens = 0
+    last = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            piece = output.outputs[0]
+            num_tokens += len(piece.token_ids_delta)
+            sys.stdout.write(piece.text_delta)
+            sys.stdout.flush()
+            last = output
+    sys.stdout.write("\n")
+    elapsed = time.perf_counter() - begin
+    if last is not None and last.metrics is not None:
+        ttft = last.metrics.ttft_s
+        logger.info("%d tokens in %.2f s (%.1f tok/s), ttft %.3f s, finish_reason=%s", num_tokens, elapsed,
+                    num_tokens / max(elapsed, 1e-9), ttft or 0.0, last.outputs[0].finish_reason)
+    return 0
+
+
+# ---- the parser -----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenloop", description="A small LLM serving engine.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve an OpenAI-compatible API")
+    _add_engine_args(serve)
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1 routes")
+    net.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    net.add_argument("--max-waiting", type=int, help="most queued requests; beyond it: 429 with Retry-After")
+    net.add_argument("--shutdown-timeout", type=float, default=5.0,
+                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    serve.set_defaults(func=_serve)
+
+    gen = commands.add_parser("generate", help="generate from one prompt and stream the text to stdout")
+    gen.add_argument("prompt")
+    _add_engine_args(gen)
+    sampling = gen.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=_positive_int, default=128)
+    sampling.add_argument("--temperature", type=float, default=0.7)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+    sampling.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    sampling.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except TokenloopError as exc:  # configuration or model problems: a message, not a traceback
+        logger.error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,643 @@
+"""The OpenAI-compatible HTTP API over an `AsyncEngine`, built by `create_app(engine, ...)`.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming or not),
+POST /tokenize and /detokenize (vLLM's shapes), GET /health, /version, /metrics. Every error is an
+OpenAI error body `{"error": {"message", "type", "param", "code"}}`: 400 for bad input (including
+FastAPI's own validation errors), 401 for a missing or wrong API key, 404 for an unknown model,
+429 with Retry-After when the waiting queue is full, 500 when the engine failed the request,
+503 while shutting down.
+
+A client that goes away, streaming or not, has its requests aborted before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenloop import __version__
+from tokenloop.engine import LLMEngine, RequestOutput
+from tokenloop.errors import (CapacityError, EngineStoppedError, InvalidRequestError, RequestFailedError,
+                              TokenloopError)
+from tokenloop.metrics import CONTENT_TYPE, EngineMetrics
+from tokenloop.request import SamplingParams
+from tokenloop.sampler import TokenLogprobs
+from tokenloop.serving.async_engine import AsyncEngine, RequestSpec, RequestStream
+from tokenloop.serving.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
+                                        ChatCompletionResponse, ChatMessage, ChatStreamChoice, ChatTokenLogprob,
+                                        CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                        DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse,
+                                        ModelCard, ModelList, PromptTokensDetails, TokenizeChatRequest,
+                                        TokenizeCompletionRequest, TokenizeResponse, TopLogprob, UsageInfo,
+                                        VersionResponse, now_s, random_id)
+from tokenloop.serving.sse import DONE_FRAME, EventStreamResponse, frame
+
+logger = logging.getLogger(__name__)
+
+# JSON has no -inf; a logprob of exactly zero probability is reported as this instead.
+_MIN_LOGPROB = -9999.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+    def frame(self) -> str:
+        """The error as an SSE frame, for failures after a stream has started."""
+        return frame(ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                   code=self.code)))
+
+
+def api_error(exc: BaseException) -> APIError:
+    """Map any exception to the API error a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, exc.message, "invalid_request_error", exc.param)
+    if isinstance(exc, CapacityError):
+        retry = max(1, math.ceil(exc.retry_after_s))
+        return APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
+                        headers={"Retry-After": str(retry)})
+    if isinstance(exc, EngineStoppedError):
+        return APIError(503, str(exc), "server_error", None, "service_unavailable")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), "server_error", None, "internal_error")
+    if isinstance(exc, TokenloopError):
+        return APIError(500, str(exc), "server_error", None, "internal_error")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
+
+
+def _validation_param(loc: Sequence[Any]) -> str | None:
+    """`("body", "messages", 0, "content")` -> `messages[0].content`; union member tags are dropped."""
+    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc)
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        text = str(part)
+        # pydantic names the union member it tried ('str', 'list[int]', 'function-after[...]'): not a field.
+        if text in {"str", "int", "float", "bool", "list", "dict", "none"} or any(ch in text for ch in "[]-("):
+            break
+        out = f"{out}.{text}" if out else text
+    return out or None
+
+
+def _validation_error(errors: Sequence[Any]) -> APIError:
+    first = dict(errors[0]) if errors else {}
+    loc = first.get("loc", ())
+    if first.get("type") == "json_invalid":
+        detail = str(first.get("ctx", {}).get("error", "")) or "malformed"
+        return APIError(400, f"the request body is not valid JSON: {detail}", "invalid_request_error", None,
+                        "invalid_json")
+    param = _validation_param(loc)
+    message = str(first.get("msg", "invalid request"))
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        message = "the request body must be a JSON object"
+    elif param is not None:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return APIError(400, message, "invalid_request_error", param)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Collecting outputs
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class _Choice:
+    """One choice (prompt x sample) being assembled from output deltas."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_chars: int = 0  # characters of text sent so far (for completion text_offset)
+    started: bool = False
+
+
+@dataclass
+class _Prompt:
+    """A prompt of the submission: filled in from its outputs."""
+
+    text: str | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Submission:
+    """What one API call submitted: its prompts, n, and the choices assembled so far."""
+
+    response_id: str
+    created: int
+    prompts: list[_Prompt]
+    request_ids: list[str]
+    n: int
+    choices: dict[int, _Choice] = field(default_factory=dict)
+    _prompt_index: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._prompt_index = {rid: i for i, rid in enumerate(self.request_ids)}
+
+    def prompt_of(self, request_id: str) -> int:
+        return self._prompt_index[request_id]
+
+    def choice(self, prompt_index: int, sample_index: int) -> _Choice:
+        index = prompt_index * self.n + sample_index
+        choice = self.choices.get(index)
+        if choice is None:
+            choice = self.choices[index] = _Choice(index)
+        return choice
+
+    def absorb_prompt(self, output: RequestOutput) -> _Prompt:
+        prompt = self.prompts[self.prompt_of(output.request_id)]
+        if output.prompt_token_ids:
+            prompt.token_ids = output.prompt_token_ids
+        if output.prompt_logprobs is not None:
+            prompt.logprobs = output.prompt_logprobs
+        if output.metrics is not None:
+            prompt.num_cached_tokens = output.metrics.num_cached_tokens
+        return prompt
+
+    def usage(self) -> UsageInfo:
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
+        completion_tokens = sum(c.num_tokens for c in self.choices.values())
+        cached = sum(p.num_cached_tokens for p in self.prompts)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _check_finish(choice: _Choice) -> None:
+    """Non-streaming: an 'error' or 'abort' ending is an HTTP error, not a choice."""
+    if choice.finish_reason == "error":
+        raise RequestFailedError("the engine failed while running this request (see the server log)")
+    if choice.finish_reason == "abort":
+        raise EngineStoppedError("the server shut down before the request finished")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------
+# The endpoints' logic
+# ---------------------------------------------------------------------------------------------------
+class OpenAIServing:
+    """Turns API requests into engine submissions and engine outputs into OpenAI responses."""
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str, model_aliases: Sequence[str] = ()) -> None:
+        self.async_engine = async_engine
+        self.model_name = model_name
+        self.model_aliases = {model_name, *model_aliases}
+        engine = async_engine.engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.created = now_s()
+        self._token_strs: dict[int, str] = {}  # bounded by the vocabulary
+
+    # ---- helpers -----------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_aliases:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def token_str(self, token_id: int) -> str:
+        text = self._token_strs.get(token_id)
+        if text is None:
+            text = self._token_strs[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _completion_logprobs(self, entries: Sequence[tuple[int, TokenLogprobs | None]], num_top: int,
+                             offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for token_id, lp in entries:
+            text = self.token_str(token_id)
+            out.tokens.append(text)
+            out.text_offset.append(offset)
+            offset += len(text)
+            if lp is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(max(lp.logprob, _MIN_LOGPROB))
+            top = {self.token_str(t): max(v, _MIN_LOGPROB) for t, v in lp.top[:num_top]}
+            top.setdefault(text, max(lp.logprob, _MIN_LOGPROB))  # the sampled token is always listed
+            out.top_logprobs.append(top)
+        return out
+
+    def _chat_logprobs(self, entries: Sequence[TokenLogprobs], num_top: int) -> ChatChoiceLogprobs:
+        content = []
+        for lp in entries:
+            text = self.token_str(lp.token_id)
+            top = [TopLogprob(token=(s := self.token_str(t)), logprob=max(v, _MIN_LOGPROB), bytes=list(s.encode()))
+                   for t, v in lp.top[:num_top]]
+            content.append(ChatTokenLogprob(token=text, logprob=max(lp.logprob, _MIN_LOGPROB),
+                                            bytes=list(text.encode()), top_logprobs=top))
+        return ChatChoiceLogprobs(content=content)
+
+    async def _submit(self, specs: list[RequestSpec]) -> RequestStream:
+        return await self.async_engine.add_requests(specs)
+
+    async def _collect(self, stream: RequestStream, submission: _Submission, raw: Request) -> bool:
+        """Gather every output of a non-streaming call; False if the client went away first."""
+
+        async def gather() -> None:
+            async for output in stream:
+                submission.absorb_prompt(output)
+                prompt_index = submission.prompt_of(output.request_id)
+                for c in output.outputs:
+                    choice = submission.choice(prompt_index, c.index)
+                    if choice.finish_reason is not None:
+                        continue
+                    choice.text.append(c.text_delta)
+                    choice.num_tokens += len(c.token_ids_delta)
+                    if c.logprobs_delta:
+                        choice.logprobs.extend(c.logprobs_delta)
+                    choice.finish_reason = c.finish_reason
+
+        work = asyncio.ensure_future(gather())
+        watch = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                logger.info("client went away: aborting %s", ", ".join(stream.request_ids))
+                return False
+            work.result()  # re-raise a failure of the requests
+            return True
+        finally:
+            for task in (work, watch):
+                task.cancel()
+            stream.abort()  # no-op when everything finished
+
+    # ---- /v1/completions ---------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        prompts = req.prompts()
+        response_id = random_id("cmpl")
+        request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+        salt = req.cache_salt
+        if params.prompt_logprobs is not None:
+            # Prompt logprobs need the prompt's logits: a private salt keeps the prefix cache from skipping them.
+            salt = f"{salt or ''}\x00prompt-logprobs-{response_id}"
+        specs = [RequestSpec(rid, p if isinstance(p, str) else None, params,
+                             prompt_token_ids=None if isinstance(p, str) else p, priority=req.priority,
+                             user=req.user, cache_salt=salt)
+                 for rid, p in zip(request_ids, prompts)]
+        submission = _Submission(response_id, now_s(),
+                                 [_Prompt(p if isinstance(p, str) else None) for p in prompts], request_ids, params.n)
+        stream = await self._submit(specs)
+        if req.stream:
+            return EventStreamResponse(self._completion_frames(stream, submission, req, params),
+                                       on_close=stream.abort)
+        if not await self._collect(stream, submission, raw):
+            return Response(status_code=499)  # nobody reads it; the requests are already aborted
+        choices = []
+        for index in sorted(submission.choices):
+            choice = submission.choices[index]
+            _check_finish(choice)
+            prompt = submission.prompts[index // params.n]
+            text = "".join(choice.text)
+            entries: list[tuple[int, TokenLogprobs | None]] = []
+            if req.echo:
+                text = self._prompt_text(prompt) + text
+                if req.logprobs is not None:
+                    entries.extend(self._prompt_entries(prompt))
+            entries.extend((lp.token_id, lp) for lp in choice.logprobs)
+            logprobs = self._completion_logprobs(entries, req.logprobs, 0) if req.logprobs is not None else None
+            choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                            finish_reason=choice.finish_reason))
+        body = CompletionResponse(id=response_id, created=submission.created, model=self.model_name,
+                                  choices=choices, usage=submission.usage())
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    def _prompt_text(self, prompt: _Prompt) -> str:
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+
+    @staticmethod
+    def _prompt_entries(prompt: _Prompt) -> list[tuple[int, TokenLogprobs | None]]:
+        logprobs = prompt.logprobs or []
+        return [(t, logprobs[i] if i < len(logprobs) else None) for i, t in enumerate(prompt.token_ids)]
+
+    async def _completion_frames(self, stream: RequestStream, submission: _Submission, req: CompletionRequest,
+                                 params: SamplingParams) -> AsyncIterator[str]:
+        include_usage = req.include_usage_in_stream
+        dump = {} if include_usage else {"exclude": {"usage"}}
+
+        def chunk(index: int, text: str, logprobs: CompletionLogprobs | None, finish: str | None) -> str:
+            body = CompletionResponse(id=submission.response_id, created=submission.created, model=self.model_name,
+                                      choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                                finish_reason=finish)])
+            return frame(body, **dump)
+
+        try:
+            async for output in stream:
+                prompt = submission.absorb_prompt(output)
+                prompt_index = submission.prompt_of(output.request_id)
+                for c in output.outputs:
+                    choice = submission.choice(prompt_index, c.index)
+                    if choice.finish_reason is not None:
+                        continue
+                    if c.finish_reason == "error":
+                        yield api_error(RequestFailedError("the engine failed while running this request")).frame()
+                        yield DONE_FRAME
+                        return
+                    text = c.text_delta
+                    entries: list[tuple[int, TokenLogprobs | None]] = []
+                    if req.echo and not choice.started:
+                        text = self._prompt_text(prompt) + text
+                        if req.logprobs is not None:
+                            entries.extend(self._prompt_entries(prompt))
+                    entries.extend((lp.token_id, lp) for lp in c.logprobs_delta or ())
+                    choice.num_tokens += len(c.token_ids_delta)
+                    choice.finish_reason = c.finish_reason
+                    # A token whose text is held back (half a character, a possible stop string) has
+                    # nothing to show yet, unless its logprobs were asked for.
+                    if not text and c.finish_reason is None and not (req.logprobs is not None and entries):
+                        continue
+                    choice.started = True
+                    logprobs = (self._completion_logprobs(entries, req.logprobs, choice.num_chars)
+                                if req.logprobs is not None else None)
+                    choice.num_chars += len(text)
+                    yield chunk(choice.index, text, logprobs, c.finish_reason)
+        except RequestFailedError as exc:
+            yield api_error(exc).frame()
+            yield DONE_FRAME
+            return
+        if include_usage:
+            body = CompletionResponse(id=submission.response_id, created=submission.created, model=self.model_name,
+                                      choices=[], usage=submission.usage())
+            yield frame(body)
+        yield DONE_FRAME
+
+    # ---- /v1/chat/completions ----------------------------------------------------------------------
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        try:
+            params = req.to_sampling_params()
+            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                                      tokenize=False, **(req.chat_template_kwargs or {}))
+            # The template wrote the special tokens; encoding must not add a second BOS.
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            response_id = random_id("chatcmpl")
+            spec = RequestSpec(response_id, text, params, prompt_token_ids=token_ids, priority=req.priority,
+                               user=req.user, cache_salt=req.cache_salt)
+            stream = await self._submit([spec])
+        except InvalidRequestError as exc:
+            # The engine speaks of the prompt and max_tokens; the client sent messages and maybe another name.
+            param = {"prompt": "messages", "max_tokens": req.max_tokens_param}.get(exc.param or "", exc.param)
+            raise APIError(400, exc.message, "invalid_request_error", param) from exc
+        submission = _Submission(response_id, now_s(), [_Prompt(text)], [response_id], params.n)
+        num_top = req.top_logprobs or 0
+        if req.stream:
+            return EventStreamResponse(self._chat_frames(stream, submission, req, num_top), on_close=stream.abort)
+        if not await self._collect(stream, submission, raw):
+            return Response(status_code=499)
+        choices = []
+        for index in sorted(submission.choices):
+            choice = submission.choices[index]
+            _check_finish(choice)
+            logprobs = self._chat_logprobs(choice.logprobs, num_top) if req.logprobs else None
+            choices.append(ChatChoice(index=index, message=ChatMessage(content="".join(choice.text)),
+                                      logprobs=logprobs, finish_reason=choice.finish_reason))
+        body = ChatCompletionResponse(id=response_id, created=submission.created, model=self.model_name,
+                                      choices=choices, usage=submission.usage())
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _chat_frames(self, stream: RequestStream, submission: _Submission, req: ChatCompletionRequest,
+                           num_top: int) -> AsyncIterator[str]:
+        include_usage = req.include_usage_in_stream
+        dump = {} if include_usage else {"exclude": {"usage"}}
+
+        def chunk(index: int, delta: DeltaMessage, logprobs: ChatChoiceLogprobs | None, finish: str | None) -> str:
+            body = ChatCompletionChunk(id=submission.response_id, created=submission.created, model=self.model_name,
+                                       choices=[ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                                                 finish_reason=finish)])
+            return frame(body, **dump)
+
+        # The role comes first, for every choice, before any token is ready.
+        for index in range(submission.n):
+            submission.choice(0, index).started = True
+            yield chunk(index, DeltaMessage(role="assistant", content=""), None, None)
+        try:
+            async for output in stream:
+                submission.absorb_prompt(output)
+                for c in output.outputs:
+                    choice = submission.choice(0, c.index)
+                    if choice.finish_reason is not None:
+                        continue
+                    if c.finish_reason == "error":
+                        yield api_error(RequestFailedError("the engine failed while running this request")).frame()
+                        yield DONE_FRAME
+                        return
+                    choice.num_tokens += len(c.token_ids_delta)
+                    choice.finish_reason = c.finish_reason
+                    if c.text_delta or (req.logprobs and c.logprobs_delta):
+                        logprobs = self._chat_logprobs(c.logprobs_delta or [], num_top) if req.logprobs else None
+                        yield chunk(c.index, DeltaMessage(content=c.text_delta), logprobs, None)
+                    if c.finish_reason is not None:
+                        yield chunk(c.index, DeltaMessage(), None, c.finish_reason)
+        except RequestFailedError as exc:
+            yield api_error(exc).frame()
+            yield DONE_FRAME
+            return
+        if include_usage:
+            body = ChatCompletionChunk(id=submission.response_id, created=submission.created, model=self.model_name,
+                                       choices=[], usage=submission.usage())
+            yield frame(body)
+        yield DONE_FRAME
+
+    # ---- /tokenize, /detokenize, /v1/models ---------------------------------------------------------
+
+    def tokenize(self, body: dict[str, Any]) -> TokenizeResponse:
+        if isinstance(body, dict) and "messages" in body:
+            chat = TokenizeChatRequest.model_validate(body)
+            self.check_model(chat.model)
+            text = self.tokenizer.apply_chat_template(chat.messages, add_generation_prompt=chat.add_generation_prompt,
+                                                      tokenize=False, **(chat.chat_template_kwargs or {}))
+            ids = self.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens)
+            want_strs = chat.return_token_strs
+        else:
+            plain = TokenizeCompletionRequest.model_validate(body)
+            self.check_model(plain.model)
+            ids = self.tokenizer.encode(plain.prompt, add_special_tokens=plain.add_special_tokens)
+            want_strs = plain.return_token_strs
+        strs = [self.tokenizer.id_to_token(i) or "" for i in ids] if want_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        vocab = self.tokenizer.vocab_size
+        for i, token in enumerate(req.tokens):
+            if not 0 <= token < vocab:
+                raise APIError(400, f"token {token} is not a token id in [0, {vocab})", "invalid_request_error",
+                               f"tokens[{i}]")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------------------------------
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def create_app(
+    engine: LLMEngine,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    shutdown_timeout_s: float = 5.0,
+    async_engine: AsyncEngine | None = None,
+) -> FastAPI:
+    """A FastAPI app serving `engine` (which it runs on its own thread from startup to shutdown).
+
+    `served_model_name` is what clients put in `model` (default: the engine's model name or path).
+    With `api_key`, every /v1 route wants `Authorization: Bearer <api_key>`. Shutdown lets in-flight
+    requests finish for `shutdown_timeout_s`, then aborts the rest.
+    """
+    model_name = served_model_name or engine.config.model
+    if async_engine is None:
+        async_engine = AsyncEngine(engine, EngineMetrics(model_name))
+    metrics = async_engine.metrics
+    serving = OpenAIServing(async_engine, model_name, model_aliases=[engine.config.model])
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.shutdown(shutdown_timeout_s)
+
+    app = FastAPI(title="tokenloop", version=__version__, lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.serving = serving
+    app.state.metrics = metrics
+
+    async def require_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                           "invalid_request_error", None, "invalid_api_key")
+
+    @app.exception_handler(APIError)
+    async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc.errors()).response()
+
+    @app.exception_handler(ValidationError)
+    async def _on_model_validation_error(_: Request, exc: ValidationError) -> JSONResponse:
+        return _validation_error(exc.errors()).response()
+
+    @app.exception_handler(TokenloopError)
+    async def _on_tokenloop_error(_: Request, exc: TokenloopError) -> JSONResponse:
+        error = api_error(exc)
+        if error.status >= 500:
+            logger.error("request failed: %s", exc)
+        return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, str(exc.detail), kind, None, None, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving a request")
+        return api_error(exc).response()
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+
+    @v1.get("/models")
+    async def list_models() -> Response:
+        return _json(serving.models())
+
+    @v1.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        serving.check_model(model_id)
+        return _json(serving.models().data[0])
+
+    @v1.post("/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(body, raw)
+
+    @v1.post("/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(body, raw)
+
+    app.include_router(v1)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        try:
+            body = json.loads(await raw.body())
+        except ValueError as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}", "invalid_request_error", None,
+                           "invalid_json") from exc
+        return _json(serving.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return _json(serving.detokenize(body))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running or not async_engine.accepting:
+            raise APIError(503, "the engine is not running", "server_error", None, "service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json(VersionResponse(version=__version__))
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
