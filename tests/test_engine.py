@@ -198,6 +198,7 @@ def test_times_come_from_the_injected_clock(tiny: Checkpoint) -> None:
 
 def test_prompt_logprobs_and_logprobs(tiny: Checkpoint) -> None:
     llm = make_llm(tiny, max_num_batched_tokens=5)  # prompt logprobs gathered across prefill chunks
+    llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)  # its blocks are cached now, yet must not be skipped
     out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3,
                                                     prompt_logprobs=2), use_tqdm=False)[0]
     assert out.prompt_logprobs[0] is None

@@ -305,8 +305,8 @@ class KVCacheManager:
         """
         if request.num_computed_tokens != 0 or request.request_id in self._tables:
             raise ValueError(f"{request.request_id}: prefix lookup is only for a request holding no blocks")
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need the logits of every prompt position: nothing may be skipped
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
