@@ -303,10 +303,10 @@ class AsyncEngine:
                         self._wakeup.wait()
                     commands, self._commands = self._commands, []
                 self.num_wakeups += 1
-                stop = False
-                for command in commands:
-                    stop = self._apply(command) or stop
-                if stop:
+                stop_at = next((i for i, command in enumerate(commands) if self._apply(command)), None)
+                if stop_at is not None:
+                    with self._wakeup:  # whatever came after the stop is refused by the drain below
+                        self._commands[:0] = commands[stop_at + 1:]
                     break
                 if commands:
                     self._refresh_stats()

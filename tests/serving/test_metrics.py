@@ -1,0 +1,56 @@
+"""EngineMetrics: a registry per instance, counters advanced by the engine's cumulative numbers."""
+
+from __future__ import annotations
+
+from tests.serving.conftest import metric_value
+from tokenloop.core.scheduler import SchedulerStats
+from tokenloop.engine import RequestMetrics, StepStats
+from tokenloop.metrics import EngineMetrics
+
+
+def _stats(queries: int, hits: int, preemptions: int, running: int = 2) -> SchedulerStats:
+    return SchedulerStats(num_running=running, num_waiting=1, num_preempted_waiting=1, num_preemptions=preemptions,
+                          kv_usage=0.25, num_free_blocks=3, prefix_cache_queries=queries, prefix_cache_hits=hits,
+                          evictions=0)
+
+
+def test_each_instance_has_its_own_registry() -> None:
+    a, b = EngineMetrics("m"), EngineMetrics("m")  # would raise "Duplicated timeseries" on a shared registry
+    a.observe_stats(_stats(10, 4, 1))
+    assert metric_value(a.render().decode(), "tokenloop:prefix_cache_queries_total") == 10
+    assert metric_value(b.render().decode(), "tokenloop:prefix_cache_queries_total") == 0
+
+
+def test_stats_become_gauges_and_counter_increments() -> None:
+    m = EngineMetrics("m")
+    m.observe_stats(_stats(10, 4, 1))
+    m.observe_stats(_stats(25, 9, 3, running=0))
+    text = m.render().decode()
+    assert metric_value(text, "tokenloop:prefix_cache_queries_total", model_name="m") == 25
+    assert metric_value(text, "tokenloop:prefix_cache_hits_total") == 9
+    assert metric_value(text, "tokenloop:num_preemptions_total") == 3
+    assert metric_value(text, "tokenloop:num_requests_running") == 0
+    assert metric_value(text, "tokenloop:num_requests_waiting") == 1
+    assert metric_value(text, "tokenloop:num_requests_preempted") == 1
+    assert metric_value(text, "tokenloop:kv_cache_usage_perc") == 0.25
+
+
+def test_finished_request_latencies() -> None:
+    m = EngineMetrics("m")
+    metrics = RequestMetrics(arrival_time=0.0, first_scheduled_time=0.03, first_token_time=0.08,
+                             last_token_time=0.58, finished_time=0.58, queue_wait_s=0.03, ttft_s=0.08,
+                             itls_s=[0.005] * 100, tpot_s=0.005, e2e_s=0.58, prefill_s=0.05, decode_s=0.5,
+                             num_prompt_tokens=10, num_generation_tokens=101, num_cached_tokens=0, num_preemptions=0)
+    m.observe_finished("stop", metrics)
+    m.observe_aborted()
+    m.observe_step(StepStats(num_batched_tokens=42), [])
+    m.observe_first_output(10)
+    text = m.render().decode()
+    assert metric_value(text, "tokenloop:request_success_total", finished_reason="stop") == 1
+    assert metric_value(text, "tokenloop:request_success_total", finished_reason="abort") == 1
+    assert metric_value(text, "tokenloop:inter_token_latency_seconds_count") == 100
+    assert abs(metric_value(text, "tokenloop:e2e_request_latency_seconds_sum") - 0.58) < 1e-9
+    assert metric_value(text, "tokenloop:time_to_first_token_seconds_bucket", le="0.1") == 1
+    assert metric_value(text, "tokenloop:request_queue_time_seconds_count") == 1
+    assert metric_value(text, "tokenloop:iteration_tokens_sum") == 42
+    assert metric_value(text, "tokenloop:prompt_tokens_total") == 10
