@@ -47,8 +47,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(variance + eps))
+    """weight * x / sqrt(mean(x^2) + eps), fused into one kernel (bit-identical to the unfused form here)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class LMHead:
@@ -169,6 +169,7 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         cos = self.rope_cos.index_select(0, positions).unsqueeze(1)
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
 
@@ -176,10 +177,10 @@ class LlamaModel:
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             normed = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = apply_rope(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            # Q and K heads are adjacent in the fused output: rotate them in one go.
+            qk = apply_rope(qkv[:, :q_size + kv_size].view(num_tokens, num_qk_heads, cfg.head_dim), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             attended = paged_attention(q, k, v, key_cache, value_cache, attn, self.scale)
             hidden = hidden + F.linear(attended.view(num_tokens, q_size), layer.o_proj)
 
