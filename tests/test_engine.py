@@ -75,8 +75,11 @@ def test_abort_emits_nothing_more_and_releases_blocks(tiny: Checkpoint) -> None:
     for _ in range(3):
         engine.step()
     assert engine.kv_cache.holds_blocks("drop")
-    engine.abort_request("drop")
+    final = engine.abort_request("drop")
+    assert [o.request_id for o in final] == ["drop"] and final[0].finished
+    assert final[0].outputs[0].finish_reason == "abort" and final[0].metrics.e2e_s is not None
     assert not engine.kv_cache.holds_blocks("drop")
+    assert engine.abort_request("drop") == []  # idempotent
     for _ in range(3):
         outputs = engine.step()
         assert all(o.request_id != "drop" for o in outputs)
@@ -170,6 +173,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny: Ch
     monkeypatch.setattr(engine.runner, "execute", broken)
     outputs = engine.step()
     assert outputs[0].finished and outputs[0].outputs[0].finish_reason == "error"
+    assert "simulated kernel failure" in outputs[0].outputs[0].error
     assert engine.kv_cache.usage == 0.0
     monkeypatch.setattr(engine.runner, "execute", real_execute)
     engine.add_request("fine", PROMPTS[0], GREEDY)

@@ -46,6 +46,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     finish_reason: str | None = None  # stop, length, abort or error
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # why the engine failed it, when finish_reason is "error"
 
     @property
     def finished(self) -> bool:
@@ -261,15 +262,21 @@ class LLMEngine:
             self._samples[sample.request.request_id] = (group, sample)
         return request_id
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Cancel requests: they produce nothing more and their block references are released now."""
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Cancel requests: their block references are released now and no step produces anything more
+        for them. Returns each one's final output (finish_reason "abort", with its metrics)."""
+        finals = []
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             group = self._groups.get(request_id)
             if group is None:
                 continue
+            now = self.clock()
             for sample in group.samples:
+                if sample.request.times.finished is None:
+                    sample.request.times.finished = now
                 self.scheduler.finish_request(sample.request.request_id, RequestStatus.FINISHED_ABORTED)
-            self._forget(group)
+            finals.append(self._make_output(group))
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -395,7 +402,7 @@ class LLMEngine:
                 index=sample.index, text=text, token_ids=list(tokens), text_delta=text[sample.reported_text:],
                 token_ids_delta=tokens[sample.reported_tokens:], logprobs=sample.logprobs,
                 logprobs_delta=logprobs_delta, cumulative_logprob=sample.cumulative_logprob,
-                finish_reason=request.finish_reason, stop_reason=request.stop_reason))
+                finish_reason=request.finish_reason, stop_reason=request.stop_reason, error=request.error))
             sample.reported_text, sample.reported_tokens = len(text), len(tokens)
         finished = group.finished
         if finished:
