@@ -53,7 +53,8 @@ def make_decode_run(model: LlamaModel, batch: int, context: int, steps: int) -> 
             length = context + step
             pos = torch.full((batch,), length)
             slots = table[:, length // block_size] * block_size + length % block_size
-            meta = AttentionMetadata.build(list(range(batch + 1)), [length + 1] * batch, table, slots, block_size)
+            meta = AttentionMetadata.build(list(range(batch + 1)), [length + 1] * batch, table, slots, block_size,
+                                           model.decode_kernel)
             model.forward(torch.randint(vocab, (batch,), generator=generator), pos, meta, kv,
                           torch.arange(batch))
 

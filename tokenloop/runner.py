@@ -89,7 +89,7 @@ class ModelRunner:
                 logits_rows.append(base + n - 1)
 
         meta = AttentionMetadata.build(query_start_loc, seq_lens, table.to(self.device),
-                                       torch.cat(slots).to(self.device), block_size)
+                                       torch.cat(slots).to(self.device), block_size, self.model.decode_kernel)
         begin = time.perf_counter()
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),

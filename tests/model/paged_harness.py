@@ -49,7 +49,8 @@ class PagedHarness:
             seq.num_computed = end
         width = max(len(seq.blocks) for seq, _ in work)
         table = torch.tensor([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in work])
-        meta = AttentionMetadata.build(starts, seq_lens, table, torch.tensor(slots), self.block_size)
+        meta = AttentionMetadata.build(starts, seq_lens, table, torch.tensor(slots), self.block_size,
+                                       self.model.decode_kernel)
         with torch.inference_mode():
             return self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.kv,
                                       torch.tensor([s - 1 for s in starts[1:]]))

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from types import ModuleType
 
 import pytest
 import torch
 
 from tokenloop.model.attention import AttentionMetadata, dense_causal_attention, paged_attention
+from tokenloop.model.cpu_kernels import paged_decode_kernels
 
 
 def _run_paged_in_chunks(
@@ -18,6 +20,7 @@ def _run_paged_in_chunks(
     head_dim: int,
     scale: float,
     rng: random.Random,
+    kernel: ModuleType | None = None,
 ) -> list[torch.Tensor]:
     """Feed each sequence through paged attention in the given chunk sizes, all sequences per step
     in one ragged batch, with blocks scattered randomly over the pool. Returns per-sequence outputs."""
@@ -52,7 +55,7 @@ def _run_paged_in_chunks(
             slots.append(table[positions // block_size] * block_size + positions % block_size)
             done[i] = hi
         table_rows = torch.stack([block_table[i] for i, _, _ in rows])
-        meta = AttentionMetadata.build(starts, seq_lens, table_rows, torch.cat(slots), block_size)
+        meta = AttentionMetadata.build(starts, seq_lens, table_rows, torch.cat(slots), block_size, kernel)
         out = paged_attention(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts),
                               key_cache, value_cache, meta, scale)
         for (i, lo, hi), begin, end in zip(rows, starts, starts[1:]):
@@ -60,9 +63,20 @@ def _run_paged_in_chunks(
     return outputs
 
 
+def _decode_kernel(name: str) -> ModuleType | None:
+    if name == "torch":
+        return None
+    kernel = paged_decode_kernels()
+    if kernel is None:
+        pytest.skip("the C++ decode kernel could not be built here")
+    return kernel
+
+
+@pytest.mark.parametrize("decode", ["torch", "cpp"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3)])
-def test_paged_attention_equals_dense(block_size: int, num_heads: int, num_kv_heads: int) -> None:
+def test_paged_attention_equals_dense(block_size: int, num_heads: int, num_kv_heads: int, decode: str) -> None:
+    kernel = _decode_kernel(decode)
     rng = random.Random(block_size * 100 + num_heads)
     torch.manual_seed(rng.randrange(1 << 30))
     head_dim, scale = 16, 16 ** -0.5
@@ -80,12 +94,14 @@ def test_paged_attention_equals_dense(block_size: int, num_heads: int, num_kv_he
         else:
             first = rng.randint(1, n)
             plans.append([first] + [1] * (n - first))
-    outputs = _run_paged_in_chunks(sequences, plans, block_size, num_kv_heads, head_dim, scale, rng)
+    outputs = _run_paged_in_chunks(sequences, plans, block_size, num_kv_heads, head_dim, scale, rng, kernel)
     for (q, k, v), out in zip(sequences, outputs):
         torch.testing.assert_close(out, dense_causal_attention(q, k, v, scale), rtol=1e-5, atol=1e-5)
 
 
-def test_decode_batch_with_uneven_lengths_ignores_padding() -> None:
+@pytest.mark.parametrize("decode", ["torch", "cpp"])
+def test_decode_batch_with_uneven_lengths_ignores_padding(decode: str) -> None:
+    kernel = _decode_kernel(decode)
     """Decode rows of very different context lengths share one padded batch; padding must not leak."""
     rng = random.Random(7)
     torch.manual_seed(7)
@@ -93,6 +109,6 @@ def test_decode_batch_with_uneven_lengths_ignores_padding() -> None:
     sequences = [(torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)) for n in lengths]
     plans = [[n - 1, 1] if n > 1 else [1] for n in lengths]
     plans[0] = [1]
-    outputs = _run_paged_in_chunks(sequences, plans, 4, 2, 8, 0.35, rng)
+    outputs = _run_paged_in_chunks(sequences, plans, 4, 2, 8, 0.35, rng, kernel)
     for (q, k, v), out in zip(sequences, outputs):
         torch.testing.assert_close(out, dense_causal_attention(q, k, v, 0.35), rtol=1e-5, atol=1e-5)

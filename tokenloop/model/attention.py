@@ -13,6 +13,7 @@ would multiply the work.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +21,18 @@ import torch.nn.functional as F
 
 @dataclass
 class DecodeGroup:
-    """Requests with exactly one new token this step, attended as one padded batch."""
+    """Requests with exactly one new token this step, attended together.
+
+    With the C++ kernel, it reads K/V in place through `block_table`; otherwise the blocks are gathered
+    into one padded batch for SDPA (`block_index`, `mask`).
+    """
 
     token_index: torch.Tensor  # [Bd] positions of their query tokens in the flat batch
-    block_index: torch.Tensor  # [Bd, max_blocks] block ids to read (padding repeats a valid block)
-    mask: torch.Tensor  # [Bd, 1, 1, max_blocks * block_size] bool: True where the key is attended
+    block_table: torch.Tensor  # [Bd, max_blocks] int64, contiguous
+    seq_lens: torch.Tensor  # [Bd] int64
+    kernel: ModuleType | None  # the compiled decode-attention module, when available
+    block_index: torch.Tensor | None = None  # [Bd, max_blocks] block ids to gather (padding repeats a valid block)
+    mask: torch.Tensor | None = None  # [Bd, 1, 1, max_blocks * block_size] bool: True where the key is attended
 
 
 @dataclass
@@ -57,6 +65,7 @@ class AttentionMetadata:
         block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_size: int,
+        decode_kernel: ModuleType | None = None,
     ) -> AttentionMetadata:
         device = slot_mapping.device
         query_lens = [end - start for start, end in zip(query_start_loc, query_start_loc[1:])]
@@ -66,15 +75,16 @@ class AttentionMetadata:
             rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
             lens = torch.tensor([seq_lens[r] for r in decode_rows], dtype=torch.long, device=device)
             max_blocks = (int(lens.max()) + block_size - 1) // block_size
-            blocks = block_table.index_select(0, rows)[:, :max_blocks]
-            # Padding entries past a request's last block may hold garbage ids: point them at its first block.
-            valid_blocks = (lens + block_size - 1) // block_size
-            block_pos = torch.arange(max_blocks, device=device)
-            blocks = torch.where(block_pos[None, :] < valid_blocks[:, None], blocks, blocks[:, :1])
-            key_pos = torch.arange(max_blocks * block_size, device=device)
-            mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
+            blocks = block_table.index_select(0, rows)[:, :max_blocks].to(torch.long).contiguous()
             token_index = torch.tensor([query_start_loc[r] for r in decode_rows], dtype=torch.long, device=device)
-            decode = DecodeGroup(token_index=token_index, block_index=blocks, mask=mask)
+            decode = DecodeGroup(token_index=token_index, block_table=blocks, seq_lens=lens, kernel=decode_kernel)
+            if decode_kernel is None:
+                # Padding entries past a request's last block may hold garbage ids: point them at its first block.
+                valid_blocks = (lens + block_size - 1) // block_size
+                block_pos = torch.arange(max_blocks, device=device)
+                decode.block_index = torch.where(block_pos[None, :] < valid_blocks[:, None], blocks, blocks[:, :1])
+                key_pos = torch.arange(max_blocks * block_size, device=device)
+                decode.mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
 
         prefills: list[PrefillSpan] = []
         for row, q_len in enumerate(query_lens):
@@ -119,8 +129,15 @@ def paged_attention(
     group = num_heads // num_kv_heads
     output = torch.empty_like(query)
 
-    if meta.decode is not None:
+    if meta.decode is not None and meta.decode.kernel is not None:
         d = meta.decode
+        q = query.index_select(0, d.token_index)
+        attended = torch.empty_like(q)
+        d.kernel.paged_decode_attention(q, key_cache, value_cache, d.block_table, d.seq_lens, scale, attended)
+        output.index_copy_(0, d.token_index, attended)
+    elif meta.decode is not None:
+        d = meta.decode
+        assert d.block_index is not None and d.mask is not None
         batch, max_blocks = d.block_index.shape
         context = max_blocks * meta.block_size
         # [Bd, max_blocks, bs, KVH, D] -> [Bd, KVH, S, D]; whole blocks are gathered, not single slots.

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from tokenloop.config import ModelConfig, RopeScaling
 from tokenloop.errors import ModelLoadError
 from tokenloop.model.attention import AttentionMetadata, paged_attention
+from tokenloop.model.cpu_kernels import paged_decode_kernels
 
 
 def rope_inverse_frequencies(
@@ -90,6 +91,7 @@ class LlamaModel:
         lm_head: torch.Tensor,
         inv_freq: torch.Tensor,
         max_positions: int,
+        use_cpu_kernels: bool = True,
     ) -> None:
         self.config = config
         self.embed = embed
@@ -99,6 +101,9 @@ class LlamaModel:
         self.device = embed.device
         self.dtype = embed.dtype
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        # The in-place decode kernel exists for float32 on the CPU only; elsewhere SDPA does the work.
+        self.decode_kernel = (paged_decode_kernels() if use_cpu_kernels and self.device.type == "cpu"
+                              and self.dtype == torch.float32 else None)
         positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)
         angles = torch.outer(positions, inv_freq.to(self.device))
         self.rope_cos = angles.cos().to(self.dtype)
@@ -112,6 +117,7 @@ class LlamaModel:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
+        use_cpu_kernels: bool = True,
     ) -> LlamaModel:
         """Build from HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...)."""
 
@@ -144,7 +150,7 @@ class LlamaModel:
         inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
                                             weights.get("rope_freqs"))
         positions = max_positions or config.max_position_embeddings
-        return cls(config, embed, layers, take("model.norm.weight"), lm_head, inv_freq, positions)
+        return cls(config, embed, layers, take("model.norm.weight"), lm_head, inv_freq, positions, use_cpu_kernels)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
