@@ -605,3 +605,15 @@ def test_machine_covers_every_policy() -> None:
             h.step()
         h.drain()
         assert h.sched.stats().num_preemptions > 0, policy  # the pool is tight enough to preempt
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf", "fair"])
+def test_two_requests_that_cannot_share_the_pool_both_finish(policy: str) -> None:
+    """Requests that each fit the pool only alone all finish under every policy (the state machine
+    found a livelock under `fair` when its victim followed the counters; see FairSharePolicy)."""
+    config = SchedulerConfig(policy=policy, max_num_seqs=3, max_num_batched_tokens=16, long_prefill_token_threshold=3)
+    h = Harness(config, num_blocks=6, block_size=4, caching=False, seed=1)
+    for i, user in enumerate(["alice", "bob", "carol", "alice"]):
+        h.add(12 + i, max_tokens=8, user=user, priority=i % 2)
+    assert h.drain(max_steps=500) < 500
+    assert h.sched.stats().num_preemptions > 0  # the pool really was contended

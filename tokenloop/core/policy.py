@@ -145,9 +145,13 @@ class FairSharePolicy(_RankedPolicy):
     """Virtual token counters per user (VTC, Sheng et al., "Fairness in Serving Large Language Models").
 
     Each user's counter grows by `prompt_weight` per prompt token computed and `output_weight` per token
-    sampled. Requests of the user with the smallest counter go first (each user's own in arrival order);
-    the victim is the latest request of the running user with the largest counter. A user who becomes
-    active after idling is lifted to the smallest counter among active users, so idling earns no credit.
+    sampled. Requests of the user with the smallest counter go first (each user's own in arrival order).
+    A user who becomes active after idling is lifted to the smallest counter among active users, so
+    idling earns no credit.
+
+    The preemption victim is the latest arrival, as in FCFS: fairness acts on admission order (as in
+    VTC). A counter-based victim flips as counters grow, and under recompute preemption two requests
+    can then throw each other's work away forever (a livelock hypothesis found with a 6-block pool).
     """
 
     name = "fair"
@@ -198,6 +202,11 @@ class FairSharePolicy(_RankedPolicy):
 
     def key(self, request: Request, now: int) -> tuple[float, ...]:
         return (self.counter(request.user), request.times.arrival, self._sequence(request))
+
+    def victim(self, candidates: Sequence[Request], now: int) -> Request:
+        if not candidates:
+            raise ValueError("no candidate to preempt")
+        return max(candidates, key=lambda request: (request.times.arrival, self._sequence(request)))
 
     def order(self, requests: Iterable[Request], now: int) -> Iterator[Request]:
         # Re-pick the least-served user before every yield: counters move as the caller schedules.
