@@ -76,10 +76,14 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 def _load_engine(args: argparse.Namespace):  # noqa: ANN202 - LLMEngine, imported lazily (torch is slow to import)
     from tokenloop.engine import LLMEngine
     from tokenloop.llm import build_engine_config
+    from tokenloop.tracing import Tracer
 
     config = build_engine_config(args.model, **_engine_options(args))
     begin = time.perf_counter()
-    engine = LLMEngine(config)
+    sample_rate = getattr(args, "trace_sample_rate", 0.0)
+    # The dashboard and /v1/trace read the tracer; iterations are always recorded, requests sampled.
+    tracer = Tracer(sample_rate=sample_rate) if getattr(args, "command", None) == "serve" and not args.no_trace else None
+    engine = LLMEngine(config, tracer=tracer)
     logger.info("loaded %s in %.1f s: max_model_len=%d, %d KV blocks of %d tokens, policy=%s", args.model,
                 time.perf_counter() - begin, engine.max_model_len, engine.kv_cache.num_blocks,
                 config.cache.block_size, config.scheduler.policy)
@@ -154,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--max-waiting", type=int, help="most queued requests; beyond it: 429 with Retry-After")
     net.add_argument("--shutdown-timeout", type=float, default=5.0,
                      help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    tracing = serve.add_argument_group("tracing")
+    tracing.add_argument("--trace-sample-rate", type=float, default=0.1,
+                         help="fraction of requests traced in detail for /v1/trace and the dashboard (default 0.1)")
+    tracing.add_argument("--no-trace", action="store_true", help="record no trace at all (the dashboard stays empty)")
     serve.set_defaults(func=_serve)
 
     gen = commands.add_parser("generate", help="generate from one prompt and stream the text to stdout")
@@ -167,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--stop", action="append", help="a stop string (repeatable)")
     sampling.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.set_defaults(func=_generate)
+
+    from tokenloop.bench.cli import add_bench_subparser
+    from tokenloop.trace_cli import add_trace_subparser
+
+    add_bench_subparser(commands)
+    add_trace_subparser(commands)
     return parser
 
 

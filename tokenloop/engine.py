@@ -26,6 +26,7 @@ from tokenloop.request import NS_PER_S, Clock, Request, RequestStatus, SamplingP
 from tokenloop.runner import ModelRunner, RunnerOutput
 from tokenloop.sampler import Sampler, TokenLogprobs
 from tokenloop.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenloop.tracing import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +161,10 @@ class LLMEngine:
     """The serving loop over one model: `add_request`, `abort_request`, `step`."""
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
-                 clock: Clock = default_clock) -> None:
+                 clock: Clock = default_clock, tracer: Tracer | None = None) -> None:
         self.config = config
         self.clock = clock
+        self.tracer = tracer  # None: nothing is traced (see tokenloop.tracing)
         checkpoint = checkpoint or load_checkpoint(config.model)
         self.checkpoint = checkpoint
         self.tokenizer: Tokenizer = checkpoint.tokenizer
@@ -179,7 +181,10 @@ class LLMEngine:
             logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it to fit",
                            self.max_model_len, num_blocks * block_size)
             self.max_model_len = num_blocks * block_size
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        if tracer is None:
+            self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        else:  # the same manager, also timing its verbs: the loop's KV stage
+            self.kv_cache = tracer.kv_cache_manager(num_blocks, block_size, config.cache.enable_prefix_caching, clock)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock)
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
@@ -188,6 +193,8 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self.last_step = StepStats()
         self.num_steps = 0
+        if tracer is not None:
+            tracer.attach(self, self.kv_cache)
 
     # ---- requests in -----------------------------------------------------------------------------
 
@@ -260,6 +267,9 @@ class LLMEngine:
         self._groups[request_id] = group
         for sample in samples:
             self._samples[sample.request.request_id] = (group, sample)
+        if self.tracer is not None and self.tracer.enabled:
+            for sample in samples:
+                self.tracer.on_arrival(sample.request)
         return request_id
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
@@ -274,7 +284,7 @@ class LLMEngine:
             for sample in group.samples:
                 if sample.request.times.finished is None:
                     sample.request.times.finished = now
-                self.scheduler.finish_request(sample.request.request_id, RequestStatus.FINISHED_ABORTED)
+                self._finish(sample.request.request_id, RequestStatus.FINISHED_ABORTED)
             finals.append(self._make_output(group))
         return finals
 
@@ -293,6 +303,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Go around the loop once; return the outputs of every request that progressed or ended."""
         stats = StepStats()
+        tracer = self.tracer if self.tracer is not None and self.tracer.enabled else None
+        step_start = tracer.begin_step() if tracer is not None else 0
         begin = time.perf_counter()
         schedule = self.scheduler.schedule()
         stats.schedule_s = time.perf_counter() - begin
@@ -301,8 +313,12 @@ class LLMEngine:
         stats.num_preempted = len(schedule.preempted)
         self.last_step = stats
         if schedule.is_empty:
+            if tracer is not None and schedule.preempted:  # nothing ran, but preemptions are transitions
+                now = tracer.end_schedule()
+                tracer.end_step(schedule, step_start, now, now, now, 0.0, [], [])
             return []
         self.num_steps += 1
+        schedule_end = tracer.end_schedule() if tracer is not None else 0
 
         touched: dict[str, _Group] = {}
         begin = time.perf_counter()
@@ -313,6 +329,7 @@ class LLMEngine:
             return self._fail(schedule, f"model forward failed: {exc!r}")
         stats.execute_s = time.perf_counter() - begin
         stats.forward_s = result.forward_s
+        execute_end = self.clock() if tracer is not None else 0
         self.scheduler.update_from_output(schedule)
 
         begin = time.perf_counter()
@@ -335,11 +352,26 @@ class LLMEngine:
                 except Exception as exc:  # one request's failure must not take the others down
                     logger.exception("update of %s failed", request.request_id)
                     request.error = repr(exc)
-                    self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+                    self._finish(request.request_id, RequestStatus.FINISHED_ERROR)
                 touched[group.request_id] = group
         outputs = [self._make_output(group) for group in touched.values()]
         stats.update_s = time.perf_counter() - begin
+        if tracer is not None:
+            tracer.end_step(schedule, step_start, schedule_end, execute_end, now, stats.forward_s, sampling,
+                            sampled.token_ids if sampled is not None else [])
         return outputs
+
+    def _finish(self, request_id: str, status: RequestStatus) -> None:
+        """End a request and release its block references; the tracer, if on, records what was released."""
+        tracer = self.tracer
+        if tracer is None or not tracer.enabled:
+            self.scheduler.finish_request(request_id, status)
+            return
+        blocks = self.kv_cache.get_blocks(request_id)
+        begin = self.clock()
+        request = self.scheduler.finish_request(request_id, status)
+        if request is not None:
+            tracer.on_release(request, blocks, begin, self.clock())
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
@@ -386,7 +418,7 @@ class LLMEngine:
             if update.stop_string is None:
                 sample.detokenizer.finish()
             request.times.finished = now
-            self.scheduler.finish_request(request.request_id, status)
+            self._finish(request.request_id, status)
 
     def _make_output(self, group: _Group) -> RequestOutput:
         completions = []
@@ -420,6 +452,6 @@ class LLMEngine:
             request = item.request
             group, _ = self._samples[request.request_id]
             request.error = message
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+            self._finish(request.request_id, RequestStatus.FINISHED_ERROR)
             touched[group.request_id] = group
         return [self._make_output(group) for group in touched.values()]

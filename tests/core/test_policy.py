@@ -217,14 +217,17 @@ def test_fair_idle_system_lifts_to_the_last_user_who_left() -> None:
     assert policy.counter("b") == policy.counter("a") > 0
 
 
-def test_fair_victim_is_the_most_served_users_latest_request() -> None:
+def test_fair_victim_is_the_latest_arrival_whatever_the_counters() -> None:
+    """Fairness acts on admission order; a victim that followed the counters could livelock."""
     policy = FairSharePolicy()
     a1, b1, a2, b2 = arrive(policy, req("a1", 0, user="a"), req("b1", 1, user="b"),
                             req("a2", 2, user="a"), req("b2", 3, user="b"))
     policy.counters.update(a=10.0, b=30.0)
     assert policy.victim([a1, b1, a2, b2], now=5 * MS) is b2
-    assert policy.victim([a1, a2, b1], now=5 * MS) is b1
+    assert policy.victim([a1, a2, b1], now=5 * MS) is a2
     assert ids(policy.order([b2, a2, b1, a1], now=5 * MS)) == ["a1", "a2", "b1", "b2"]
+    policy.counters.update(a=50.0)
+    assert policy.victim([a1, a2, b1], now=5 * MS) is a2
 
 
 def test_fair_treats_users_without_a_name_as_one_account() -> None:

@@ -1,0 +1,1 @@
+"""Benchmark harness: load generation against a server, request traces, policy replays and reports."""

@@ -44,6 +44,7 @@ from tokenloop.serving.protocol import (ChatChoice, ChatChoiceLogprobs, ChatComp
                                         TokenizeCompletionRequest, TokenizeResponse, TopLogprob, UsageInfo,
                                         VersionResponse, now_s, random_id)
 from tokenloop.serving.sse import DONE_FRAME, EventStreamResponse, frame
+from tokenloop.serving.trace_routes import make_trace_router
 
 logger = logging.getLogger(__name__)
 
@@ -610,6 +611,8 @@ def create_app(
         return await serving.chat(body, raw)
 
     app.include_router(v1)
+    # Traces and the dashboard stay outside the API key: the page polls without credentials.
+    app.include_router(make_trace_router(lambda: engine.tracer))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:

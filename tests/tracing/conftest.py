@@ -1,0 +1,45 @@
+"""Engines on the tiny model with a tracer, and helpers to run them to the end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenloop.engine import LLMEngine, RequestOutput
+from tokenloop.llm import build_engine_config
+from tokenloop.model.loader import Checkpoint, load_checkpoint
+from tokenloop.request import SamplingParams
+from tokenloop.tracing import Tracer
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world",
+    "a somewhat longer prompt that spans several blocks of the tiny cache and then some more words",
+    "x",
+    "hello world, hello again",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir: Path) -> Checkpoint:
+    return load_checkpoint(str(tiny_model_dir))
+
+
+def make_engine(tiny: Checkpoint, tracer: Tracer | None = None, **options: Any) -> LLMEngine:
+    options.setdefault("max_num_seqs", 8)
+    options.setdefault("max_num_batched_tokens", 64)
+    options.setdefault("block_size", 4)
+    options.setdefault("num_blocks", 128)
+    return LLMEngine(build_engine_config(str(tiny.path), **options), checkpoint=tiny, tracer=tracer)
+
+
+def run_to_end(engine: LLMEngine) -> dict[str, RequestOutput]:
+    """Step until idle; the last output of each request, by id."""
+    last: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            last[output.request_id] = output
+    return last
