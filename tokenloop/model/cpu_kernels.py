@@ -50,7 +50,7 @@ class _KernelLoader:
 
             # -march=native is safe: the build runs on the machine that will run it.
             return load(name="tokenloop_paged_decode_attention", sources=[str(_SOURCE)],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffast-math"], verbose=False)
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"], extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # no compiler, no ninja, headers missing: fall back, loudly once
             logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch attention path", exc)
             return None
