@@ -108,13 +108,16 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="tokenloop's weights and activations (HF always runs float32)")
     args = parser.parse_args()
     torch.manual_seed(0)
 
     start = time.perf_counter()
     checkpoint = load_checkpoint(args.model)
-    model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights)
     load_s = time.perf_counter() - start
+    model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights, dtype=getattr(torch, args.dtype))
+    ready_s = time.perf_counter() - start
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -124,8 +127,10 @@ def main() -> None:
         hf.eval()
 
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
-    print(f"tokenloop load (config + weights + tokenizer): {load_s:.2f} s")
+          f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}); tokenloop dtype {args.dtype}")
+    print(f"tokenloop load (config + weights + tokenizer): {load_s:.2f} s; model ready: {ready_s:.2f} s "
+          f"(includes building the C++ decode kernel on a machine's first run: "
+          f"{'on' if model.decode_kernel is not None else 'off'})")
     print(f"{'case':<24}{'tokenloop tok/s':>16}{'HF tok/s':>12}")
     with torch.inference_mode():
         for batch in [int(b) for b in args.batches.split(",")]:
