@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--skip-prefix", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--weight-dtype", default=None, choices=["float32", "bfloat16"])
     args = parser.parse_args()
 
     checkpoint = load_checkpoint(args.model)
@@ -116,9 +118,10 @@ def main() -> None:
     print(f"workload: {len(workload)} requests, prompts {sum(len(p) for p, _ in workload)} tokens, "
           f"outputs {sum(n for _, n in workload)} tokens (seed {args.seed})")
     llm = LLM(checkpoint=checkpoint, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+              weight_dtype=args.weight_dtype)
     ours = run_tokenloop(llm, workload)
-    print(f"tokenloop: {ours['elapsed_s']:.1f} s, output {ours['output_tok_s']:.1f} tok/s, "
+    print(f"tokenloop (dtype {args.dtype}, weights {args.weight_dtype or args.dtype}): {ours['elapsed_s']:.1f} s, output {ours['output_tok_s']:.1f} tok/s, "
           f"total {ours['total_tok_s']:.1f} tok/s; decode with 32 running {ours['decode32_tok_s']:.1f} tok/s "
           f"over {ours['decode32_steps']} steps; at batch>=32: step {ours['step_ms_b32']:.1f} ms, "
           f"overhead {ours['overhead_ms_b32']:.1f} ms ({100 * ours['overhead_frac_b32']:.1f}%)", flush=True)

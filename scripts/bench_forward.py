@@ -109,14 +109,17 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="tokenloop's weights and activations (HF always runs float32)")
+                        help="tokenloop's activations and KV cache (HF always runs float32)")
+    parser.add_argument("--weight-dtype", default=None, choices=["float32", "bfloat16"],
+                        help="tokenloop's projection weights (default: --dtype)")
     args = parser.parse_args()
     torch.manual_seed(0)
 
     start = time.perf_counter()
     checkpoint = load_checkpoint(args.model)
     load_s = time.perf_counter() - start
-    model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights, dtype=getattr(torch, args.dtype))
+    model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights, dtype=getattr(torch, args.dtype),
+                                    weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None)
     ready_s = time.perf_counter() - start
     hf = None
     if not args.no_hf:
@@ -127,7 +130,7 @@ def main() -> None:
         hf.eval()
 
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}); tokenloop dtype {args.dtype}")
+          f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}); tokenloop dtype {args.dtype}, weights {args.weight_dtype or args.dtype}")
     print(f"tokenloop load (config + weights + tokenizer): {load_s:.2f} s; model ready: {ready_s:.2f} s "
           f"(includes building the C++ decode kernel on a machine's first run: "
           f"{'on' if model.decode_kernel is not None else 'off'})")

@@ -130,7 +130,8 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "float32"  # activations and KV cache
+    weight_dtype: str | None = None  # projection matrices; None: same as dtype
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -139,5 +140,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "float16", "bfloat16"),
                  f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        _require(self.weight_dtype in (None, "float32", "float16", "bfloat16"),
+                 f"weight_dtype must be float32, float16 or bfloat16, got {self.weight_dtype!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be > 0, got {self.max_model_len}")

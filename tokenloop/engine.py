@@ -172,7 +172,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.model = LlamaModel.from_weights(model_config, checkpoint.weights, device=config.device,
-                                             dtype=_DTYPES[config.dtype], max_positions=self.max_model_len)
+                                             dtype=_DTYPES[config.dtype], max_positions=self.max_model_len,
+                                             weight_dtype=_DTYPES[config.weight_dtype] if config.weight_dtype else None)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or max(
             1, config.cache.kv_cache_memory_bytes // self.model.kv_bytes_per_block(block_size))

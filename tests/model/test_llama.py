@@ -136,3 +136,16 @@ def test_default_model_mixed_step_logits_match_hf(smollm2_checkpoint, hf_smollm2
     prompts = _prompts(smollm2_checkpoint.config.vocab_size, seed=0, shared_prefix=32)
     for ours, prompt in zip(_mixed_step_logits(model, prompts, block_size=16), prompts):
         _assert_relative_close(ours, _hf_last_logits(hf_smollm2, prompt))
+
+
+def test_bf16_weights_with_fp32_activations_stay_close(tiny_model_dir: Path) -> None:
+    """weight_dtype=bfloat16 keeps the residual stream, attention and KV cache in fp32: logits move by
+    about bf16's precision, not more."""
+    checkpoint = load_checkpoint(str(tiny_model_dir))
+    full = LlamaModel.from_weights(checkpoint.config, checkpoint.weights)
+    narrow = LlamaModel.from_weights(checkpoint.config, checkpoint.weights, weight_dtype=torch.bfloat16)
+    assert narrow.layers[0].qkv.dtype == torch.bfloat16 and narrow.kv_bytes_per_block(16) == full.kv_bytes_per_block(16)
+    prompt = torch.randint(checkpoint.config.vocab_size, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    ours = PagedHarness(narrow, block_size=8).step([(Sequence(prompt), 40)])[0]
+    reference = PagedHarness(full, block_size=8).step([(Sequence(prompt), 40)])[0]
+    _assert_relative_close(ours, reference, tolerance=3e-2)

@@ -47,6 +47,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias). Weights stored narrower than the activations (bf16 weights, fp32
+    activations) are multiplied in the weights' dtype and the result widened back."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+    return out if bias is None else out + bias
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps), fused into one kernel (bit-identical to the unfused form here)."""
     return F.rms_norm(x, weight.shape, weight, eps)
@@ -64,7 +73,7 @@ class LMHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
-            return F.linear(hidden, self.weight)
+            return linear(hidden, self.weight)
         return torch._C._nn.mkldnn_linear(hidden.contiguous().to_mkldnn(), self._packed, None).to_dense()
 
 
@@ -118,16 +127,23 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
         use_cpu_kernels: bool = True,
+        weight_dtype: torch.dtype | None = None,
     ) -> LlamaModel:
-        """Build from HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...)."""
+        """Build from HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...).
 
-        def take(name: str) -> torch.Tensor:
+        `dtype` is the activations' and the KV cache's; `weight_dtype` (default: the same) is the
+        projection matrices' (e.g. bf16 weights halve the bytes a decode step streams, while the
+        residual stream, norms, attention and KV cache stay in `dtype`).
+        """
+        matrix_dtype = weight_dtype or dtype
+
+        def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
             if name not in weights:
                 raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
-            return weights[name].to(device=device, dtype=dtype)
+            return weights[name].to(device=device, dtype=as_dtype)
 
-        def fuse(names: list[str]) -> torch.Tensor:
-            return torch.cat([take(n) for n in names], dim=0).contiguous()
+        def fuse(names: list[str], as_dtype: torch.dtype = matrix_dtype) -> torch.Tensor:
+            return torch.cat([take(n, as_dtype) for n in names], dim=0).contiguous()
 
         layers = []
         for i in range(config.num_layers):
@@ -135,18 +151,21 @@ class LlamaModel:
             attn = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
             bias = None
             if config.attention_bias:
-                bias = fuse([p + f"self_attn.{x}_proj.bias" for x in "qkv"])
+                bias = fuse([p + f"self_attn.{x}_proj.bias" for x in "qkv"], dtype)
             layers.append(LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=fuse(attn),
                 qkv_bias=bias,
-                o_proj=take(p + "self_attn.o_proj.weight").contiguous(),
+                o_proj=take(p + "self_attn.o_proj.weight", matrix_dtype).contiguous(),
                 post_attention_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=take(p + "mlp.down_proj.weight").contiguous(),
+                down=take(p + "mlp.down_proj.weight", matrix_dtype).contiguous(),
             ))
         embed = take("model.embed_tokens.weight").contiguous()
-        lm_head = embed if config.tie_word_embeddings or "lm_head.weight" not in weights else take("lm_head.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        lm_head = take("model.embed_tokens.weight" if tied else "lm_head.weight", matrix_dtype).contiguous()
+        if tied and matrix_dtype == dtype:
+            lm_head = embed  # one copy serves both
         inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
                                             weights.get("rope_freqs"))
         positions = max_positions or config.max_position_embeddings
@@ -182,17 +201,17 @@ class LlamaModel:
         hidden = self.embed.index_select(0, input_ids)
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             normed = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(normed, layer.qkv, layer.qkv_bias)
+            qkv = linear(normed, layer.qkv, layer.qkv_bias)
             # Q and K heads are adjacent in the fused output: rotate them in one go.
             qk = apply_rope(qkv[:, :q_size + kv_size].view(num_tokens, num_qk_heads, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             attended = paged_attention(q, k, v, key_cache, value_cache, attn, self.scale)
-            hidden = hidden + F.linear(attended.view(num_tokens, q_size), layer.o_proj)
+            hidden = hidden + linear(attended.view(num_tokens, q_size), layer.o_proj)
 
             normed = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(normed, layer.gate_up).chunk(2, dim=-1)
+            hidden = hidden + linear(F.silu(gate) * up, layer.down)
 
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
