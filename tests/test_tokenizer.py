@@ -640,3 +640,14 @@ def test_special_tokens_in_stream(tiny: Tokenizer) -> None:
     assert "".join(deltas) == "Hi there"
     deltas, _ = _stream(tiny, [], output, skip_special_tokens=False)
     assert "".join(deltas) == "Hi there<|im_end|>"
+
+
+def test_bytes_that_never_complete_a_character_are_not_held_forever(smollm2: Tokenizer) -> None:
+    """A model emitting lone UTF-8 lead bytes must still stream: after 4 tokens they cannot complete."""
+    lead_byte = smollm2.token_to_id("\u00e2")  # byte-level spelling of the lone byte 0xE2
+    assert lead_byte is not None
+    detok = IncrementalDetokenizer(smollm2, smollm2.encode("Hello"))
+    deltas = [detok.update([lead_byte]).text_delta for _ in range(12)]
+    assert "".join(deltas), "nothing was streamed before the request ended"
+    assert deltas[:3] == ["", "", ""]  # a real multi-byte character could still be forming
+    assert "".join(deltas) + detok.finish() == smollm2.decode([lead_byte] * 12)

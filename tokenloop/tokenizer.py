@@ -36,6 +36,9 @@ _TYPE_UNDEFINED, _TYPE_NORMAL, _TYPE_UNKNOWN, _TYPE_CONTROL, _TYPE_USER_DEFINED,
 
 SPIECE_SPACE = "\u2581"  # SentencePiece writes a space as '▁'
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder yields for bytes that are not (yet) a whole UTF-8 character
+# An unfinished UTF-8 character has at most 3 of its 4 bytes, and every token carries at least one
+# byte, so only the last 3 tokens can still change; invalid bytes before them are final (U+FFFD).
+_MAX_UNFINISHED_TOKENS = 3
 
 # Split patterns of the byte-level vocabularies we know. GPT-2's own pattern is built into ByteLevel.
 _LLAMA3_SPLIT = (
@@ -693,8 +696,8 @@ class IncrementalDetokenizer:
         text = self._decode(self._ids[self._prefix_offset:])
         base = len(self._prefix_text)
         end = len(text)
-        while end > base and text[end - 1] == REPLACEMENT_CHAR:
-            end -= 1
+        if end > base and text[end - 1] == REPLACEMENT_CHAR:
+            end = self._stable_length(base)
         start = base + self._window_emitted
         new_text = text[start:end] if end > start else ""
         if end == len(text) and end > base:
@@ -705,6 +708,20 @@ class IncrementalDetokenizer:
         elif end > start:
             self._window_emitted = end - base
         return new_text
+
+    def _stable_length(self, base: int) -> int:
+        """Length of the window's text that no later token can change, when it ends in U+FFFD.
+
+        The unfinished character lies in the last few tokens: drop the fewest (at most 3) that leave a
+        clean text. If even 3 leave U+FFFD at the end, those bytes can never complete: they are final.
+        """
+        window = self._ids[self._prefix_offset:]
+        head = ""
+        for drop in range(1, min(_MAX_UNFINISHED_TOKENS, len(window)) + 1):
+            head = self._decode(window[:-drop])
+            if not head.endswith(REPLACEMENT_CHAR):
+                break
+        return max(base, len(head))
 
     def update(self, new_token_ids: Sequence[int], check_stop: bool = True) -> DetokenizerUpdate:
         """Feed newly sampled tokens; returns the text that is now safe to emit and any stop string hit.
