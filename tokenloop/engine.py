@@ -179,7 +179,7 @@ class LLMEngine:
             1, config.cache.kv_cache_memory_bytes // self.model.kv_bytes_per_block(block_size))
         if num_blocks * block_size < self.max_model_len:
             # A request may grow to max_model_len; a pool smaller than that could never hold it alone.
-            logger.warning("max_model_len %d exceeds the KV cache (%d tokens); lowering it to fit",
+            logger.info("max_model_len %d exceeds the KV cache (%d tokens); lowering it to fit",
                            self.max_model_len, num_blocks * block_size)
             self.max_model_len = num_blocks * block_size
         if tracer is None:
