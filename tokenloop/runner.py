@@ -95,7 +95,7 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.cat(positions).to(self.device), meta, self.kv_caches,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device))
-        logits = logits.float()
+        logits = logits.float().cpu()  # the sampler works on the host; a no-op for a CPU model
         forward_s = time.perf_counter() - begin
 
         prompt_logits = [PromptLogitsSlice(rid, first, logits[at:at + count])

@@ -231,7 +231,8 @@ def test_bad_requests_get_openai_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=16, temperature=-1)
     assert info.value.body["param"] == "temperature"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=4)
+    assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
     # Still serving.
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None

@@ -3,7 +3,7 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming or not),
 POST /tokenize and /detokenize (vLLM's shapes), GET /health, /version, /metrics. Every error is an
 OpenAI error body `{"error": {"message", "type", "param", "code"}}`: 400 for bad input (including
-FastAPI's own validation errors), 401 for a missing or wrong API key, 404 for an unknown model,
+FastAPI's own validation errors), 401 for a missing or wrong API key, 400 for an unknown model,
 429 with Retry-After when the waiting queue is full, 500 when the engine failed the request,
 503 while shutting down.
 
@@ -231,7 +231,8 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_aliases:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+            # 400, as the issue asks for every bad field (OpenAI itself answers 404 here).
+            raise APIError(400, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
                            "invalid_request_error", "model", "model_not_found")
 
     def token_str(self, token_id: int) -> str:
