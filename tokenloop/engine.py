@@ -150,7 +150,6 @@ class _Group:
     prompt_token_ids: list[int]
     samples: list[_Sample]
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    finished_reported: bool = False
 
     @property
     def finished(self) -> bool:
@@ -343,7 +342,7 @@ class LLMEngine:
         stats.sample_s = time.perf_counter() - begin
 
         begin = time.perf_counter()
-        self._record_prompt_logprobs(result, touched)
+        self._record_prompt_logprobs(result)
         now = self.clock()
         if sampled is not None:
             for request, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
@@ -379,7 +378,7 @@ class LLMEngine:
         for sample in group.samples:
             self._samples.pop(sample.request.request_id, None)
 
-    def _record_prompt_logprobs(self, result: RunnerOutput, touched: dict[str, _Group]) -> None:
+    def _record_prompt_logprobs(self, result: RunnerOutput) -> None:
         for piece in result.prompt_logits:
             group, _ = self._samples[piece.request_id]
             if group.prompt_logprobs is None:
@@ -441,11 +440,7 @@ class LLMEngine:
         if finished:
             self._forget(group)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, group.prompt_logprobs,
-                             completions, finished, self._metrics(group))
-
-    @staticmethod
-    def _metrics(group: _Group) -> RequestMetrics:
-        return RequestMetrics.of(group.samples[0].request)
+                             completions, finished, RequestMetrics.of(group.samples[0].request))
 
     def _fail(self, schedule: SchedulerOutput, message: str) -> list[RequestOutput]:
         touched: dict[str, _Group] = {}
