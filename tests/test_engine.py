@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import TINY_PROMPTS
 from tokenloop import LLM, SamplingParams
 from tokenloop.engine import LLMEngine
 from tokenloop.errors import InvalidRequestError
 from tokenloop.llm import build_engine_config
-from tokenloop.model.loader import Checkpoint, load_checkpoint
+from tokenloop.model.loader import Checkpoint
 from tokenloop.request import RequestStatus
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir: Path) -> Checkpoint:
-    return load_checkpoint(str(tiny_model_dir))
 
 
 def make_llm(tiny: Checkpoint, **options) -> LLM:
@@ -29,13 +24,7 @@ def make_llm(tiny: Checkpoint, **options) -> LLM:
     return LLM(str(tiny.path), checkpoint=tiny, **options)
 
 
-PROMPTS = [
-    "the quick brown fox jumps over the lazy dog",
-    "hello world",
-    "a somewhat longer prompt that spans several blocks of the tiny cache and then some more words",
-    "x",
-    "hello world, hello again",
-]
+PROMPTS = TINY_PROMPTS
 
 
 def _greedy_tokens(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> list[list[int]]:

@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import pytest
-
+from tests.conftest import TINY_PROMPTS
 from tokenloop.engine import LLMEngine, RequestOutput
 from tokenloop.llm import build_engine_config
-from tokenloop.model.loader import Checkpoint, load_checkpoint
+from tokenloop.model.loader import Checkpoint
 from tokenloop.request import SamplingParams
 from tokenloop.tracing import Tracer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-PROMPTS = [
-    "the quick brown fox jumps over the lazy dog",
-    "hello world",
-    "a somewhat longer prompt that spans several blocks of the tiny cache and then some more words",
-    "x",
-    "hello world, hello again",
-]
-
-
-@pytest.fixture(scope="session")
-def tiny(tiny_model_dir: Path) -> Checkpoint:
-    return load_checkpoint(str(tiny_model_dir))
+PROMPTS = TINY_PROMPTS
 
 
 def make_engine(tiny: Checkpoint, tracer: Tracer | None = None, **options: Any) -> LLMEngine:
