@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -29,6 +30,14 @@ from tokenloop.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenloop.tracing import Tracer
 
 logger = logging.getLogger(__name__)
+
+def _child_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed: the request's seed plus the index, kept inside torch's 64-bit seed range."""
+    if seed is None:
+        return None
+    child = seed + index
+    return child - 2 ** 64 if child >= 2 ** 64 else child
+
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -137,7 +146,6 @@ class _Sample:
     logprobs: list[TokenLogprobs] | None
     cumulative_logprob: float | None
     reported_tokens: int = 0
-    reported_text: int = 0
     reported_logprobs: int = 0
 
 
@@ -243,8 +251,7 @@ class LLMEngine:
         for index in range(params.n):
             child_params = params
             if params.n > 1:  # each sample draws its own stream; a seed still makes the set reproducible
-                child_params = dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + index)
+                child_params = dataclasses.replace(params, n=1, seed=_child_seed(params.seed, index))
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(child_id, ids, child_params, arrival, prompt=text, priority=priority, user=user,
                               cache_salt=cache_salt, eos_token_id=self.tokenizer.eos_token_id)
@@ -312,54 +319,121 @@ class LLMEngine:
         stats.num_batched_tokens = schedule.num_batched_tokens
         stats.num_preempted = len(schedule.preempted)
         self.last_step = stats
+        touched: dict[str, _Group] = {}
+        for request in schedule.failed:  # failed while being scheduled: they end now, alone
+            self._record_failure(request, touched)
         if schedule.is_empty:
             if tracer is not None and schedule.preempted:  # nothing ran, but preemptions are transitions
                 now = tracer.end_schedule()
                 tracer.end_step(schedule, step_start, now, now, now, 0.0, [], [])
-            return []
+            return [self._make_output(group) for group in touched.values()]
         self.num_steps += 1
         schedule_end = tracer.end_schedule() if tracer is not None else 0
 
-        touched: dict[str, _Group] = {}
         begin = time.perf_counter()
-        try:
-            result = self.runner.execute(schedule)
-        except Exception as exc:  # the batch is lost; fail its requests, keep serving the rest
-            logger.exception("model forward failed")
-            return self._fail(schedule, f"model forward failed: {exc!r}")
+        schedule, result = self._execute_isolated(schedule, touched)
         stats.execute_s = time.perf_counter() - begin
-        stats.forward_s = result.forward_s
         execute_end = self.clock() if tracer is not None else 0
+        if result is None:  # every request of the batch failed
+            return [self._make_output(group) for group in touched.values()]
+        stats.forward_s = result.forward_s
         self.scheduler.update_from_output(schedule)
 
         begin = time.perf_counter()
         sampling = [schedule.scheduled[i].request for i in result.sample_indices]
-        try:
-            sampled = self.sampler.sample(result.logits, sampling) if sampling else None
-        except Exception as exc:
-            logger.exception("sampling failed")
-            return self._fail(schedule, f"sampling failed: {exc!r}")
+        sampled = self._sample_isolated(result.logits, sampling, touched) if sampling else []
         stats.sample_s = time.perf_counter() - begin
 
         begin = time.perf_counter()
         self._record_prompt_logprobs(result)
         now = self.clock()
-        if sampled is not None:
-            for request, token, logprobs in zip(sampling, sampled.token_ids, sampled.logprobs):
-                group, sample = self._samples[request.request_id]
-                try:
-                    self._update(sample, token, logprobs, now)
-                except Exception as exc:  # one request's failure must not take the others down
-                    logger.exception("update of %s failed", request.request_id)
-                    request.error = repr(exc)
-                    self._finish(request.request_id, RequestStatus.FINISHED_ERROR)
-                touched[group.request_id] = group
+        for request, token, logprobs in sampled:
+            group, sample = self._samples[request.request_id]
+            try:
+                self._update(sample, token, logprobs, now)
+            except Exception:  # noqa: BLE001 - one request's failure must not take the others down
+                logger.exception("update of %s failed", request.request_id)
+                self._fail_request(request, "updating")
+            touched[group.request_id] = group
         outputs = [self._make_output(group) for group in touched.values()]
         stats.update_s = time.perf_counter() - begin
         if tracer is not None:
-            tracer.end_step(schedule, step_start, schedule_end, execute_end, now, stats.forward_s, sampling,
-                            sampled.token_ids if sampled is not None else [])
+            tracer.end_step(schedule, step_start, schedule_end, execute_end, now, stats.forward_s,
+                            [r for r, _, _ in sampled], [t for _, t, _ in sampled])
         return outputs
+
+    # ---- fault isolation: a stage that raises for one request fails that request alone ------------
+
+    def _execute_isolated(self, schedule: SchedulerOutput, touched: dict[str, _Group],
+                          ) -> tuple[SchedulerOutput, RunnerOutput | None]:
+        """One forward over the batch; if it raises, find the requests it fails for and rerun without them.
+
+        Rerunning is safe: a forward only writes the K/V of its own slots, and writes the same values again.
+        """
+        try:
+            return schedule, self.runner.execute(schedule)
+        except Exception:  # noqa: BLE001 - isolate below
+            logger.exception("model forward failed for a batch of %d request(s)", len(schedule.scheduled))
+        survivors = []
+        for item in schedule.scheduled:
+            alone = dataclasses.replace(schedule, scheduled=[item], num_batched_tokens=item.num_tokens)
+            try:
+                self.runner.execute(alone)
+            except Exception:  # noqa: BLE001 - this request's forward fails: it ends with an error
+                logger.exception("model forward failed for request %s", item.request_id)
+                self._record_failure(item.request, touched, "running the model on")
+                continue
+            survivors.append(item)
+        if not survivors:
+            return schedule, None
+        rest = dataclasses.replace(schedule, scheduled=survivors,
+                                   num_batched_tokens=sum(item.num_tokens for item in survivors))
+        try:
+            return rest, self.runner.execute(rest)
+        except Exception:  # noqa: BLE001 - fails only together: give up on all of them
+            logger.exception("model forward failed again for the remaining batch")
+            for item in survivors:
+                self._record_failure(item.request, touched, "running the model on")
+            return rest, None
+
+    def _sample_isolated(self, logits: torch.Tensor, requests: list[Request], touched: dict[str, _Group],
+                         ) -> list[tuple[Request, int, TokenLogprobs | None]]:
+        """Sample every row at once; if that raises, row by row, failing only the rows that raise."""
+        try:
+            out = self.sampler.sample(logits, requests)
+            return list(zip(requests, out.token_ids, out.logprobs))
+        except Exception:  # noqa: BLE001 - isolate below
+            logger.exception("sampling failed for a batch of %d request(s)", len(requests))
+        sampled = []
+        for row, request in enumerate(requests):
+            try:
+                out = self.sampler.sample(logits[row:row + 1], [request])
+            except Exception:  # noqa: BLE001 - this row's sampling fails: it ends with an error
+                logger.exception("sampling failed for request %s", request.request_id)
+                self._record_failure(request, touched, "sampling")
+                continue
+            sampled.append((request, out.token_ids[0], out.logprobs[0]))
+        return sampled
+
+    def _record_failure(self, request: Request, touched: dict[str, _Group], stage: str | None = None) -> None:
+        """Fail `request` (unless the scheduler already did) and mark its group for an output this step."""
+        entry = self._samples.get(request.request_id)
+        if stage is not None:
+            self._fail_request(request, stage)
+        elif self.tracer is not None and self.tracer.enabled:
+            now = self.clock()
+            self.tracer.on_release(request, [], now, now)
+        if entry is not None:
+            touched[entry[0].request_id] = entry[0]
+
+    def _fail_request(self, request: Request, stage: str) -> None:
+        # The exception is this request's own (isolated above): its text may help an offline caller.
+        cause = sys.exc_info()[1]
+        detail = f" ({type(cause).__name__}: {str(cause)[:200]})" if cause is not None else ""
+        request.error = f"the server failed while {stage} this request{detail}"
+        if request.times.finished is None:
+            request.times.finished = self.clock()
+        self._finish(request.request_id, RequestStatus.FINISHED_ERROR)
 
     def _finish(self, request_id: str, status: RequestStatus) -> None:
         """End a request and release its block references; the tracer, if on, records what was released."""
@@ -423,31 +497,27 @@ class LLMEngine:
     def _make_output(self, group: _Group) -> RequestOutput:
         completions = []
         for sample in group.samples:
-            request, detok = sample.request, sample.detokenizer
-            text = detok.output_text
+            request = sample.request
             tokens = request.output_token_ids
+            token_ids_delta = tokens[sample.reported_tokens:]
+            text_delta = sample.detokenizer.take_new_text()
             logprobs_delta = None
             if sample.logprobs is not None:
                 logprobs_delta = sample.logprobs[sample.reported_logprobs:]
                 sample.reported_logprobs = len(sample.logprobs)
+            kind = request.sampling_params.output_kind
+            if kind == "cumulative" or (kind == "final" and request.is_finished):
+                text, token_ids, logprobs = sample.detokenizer.output_text, list(tokens), sample.logprobs
+            else:  # nothing that grows with the output's length
+                text, token_ids, logprobs = text_delta, token_ids_delta, logprobs_delta
             completions.append(CompletionOutput(
-                index=sample.index, text=text, token_ids=list(tokens), text_delta=text[sample.reported_text:],
-                token_ids_delta=tokens[sample.reported_tokens:], logprobs=sample.logprobs,
+                index=sample.index, text=text, token_ids=token_ids, text_delta=text_delta,
+                token_ids_delta=token_ids_delta, logprobs=logprobs,
                 logprobs_delta=logprobs_delta, cumulative_logprob=sample.cumulative_logprob,
                 finish_reason=request.finish_reason, stop_reason=request.stop_reason, error=request.error))
-            sample.reported_text, sample.reported_tokens = len(text), len(tokens)
+            sample.reported_tokens = len(tokens)
         finished = group.finished
         if finished:
             self._forget(group)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, group.prompt_logprobs,
                              completions, finished, RequestMetrics.of(group.samples[0].request))
-
-    def _fail(self, schedule: SchedulerOutput, message: str) -> list[RequestOutput]:
-        touched: dict[str, _Group] = {}
-        for item in schedule.scheduled:
-            request = item.request
-            group, _ = self._samples[request.request_id]
-            request.error = message
-            self._finish(request.request_id, RequestStatus.FINISHED_ERROR)
-            touched[group.request_id] = group
-        return [self._make_output(group) for group in touched.values()]

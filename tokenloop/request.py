@@ -7,6 +7,7 @@ exactly: e2e == ttft + sum(itls) holds to the nanosecond, not merely within floa
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -50,6 +51,10 @@ _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHE
                    RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
 
 
+OUTPUT_KINDS = ("final", "delta", "cumulative")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop; field names and defaults follow vLLM."""
@@ -73,14 +78,27 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # What `text`, `token_ids` and `logprobs` of an output hold (the `*_delta` fields always hold this step's
+    # part): "final" (default): this step's part, and everything on the finished output; "delta": this
+    # step's part, always; "cumulative": everything so far, every step (O(length) per step: a long stream
+    # costs O(length^2)). After vLLM's RequestOutputKind.
+    output_kind: str = "final"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k < 0:
-            self.top_k = 0
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value}", param=name)
+        if self.logit_bias and not all(math.isfinite(v) for v in self.logit_bias.values()):
+            raise InvalidRequestError("logit_bias values must be finite numbers", param="logit_bias")
+        if self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1 or 0 (disabled) or positive, got {self.top_k}",
+                                      param="top_k")
+        self.top_k = max(self.top_k, 0)
         checks: list[tuple[bool, str, str]] = [
             (self.n >= 1, "n", f"n must be >= 1, got {self.n}"),
             (self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
@@ -102,6 +120,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
+            (self.output_kind in OUTPUT_KINDS, "output_kind",
+             f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -10,6 +10,8 @@ never preempts anyone: when it does not fit, admission stops for the step.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tokenloop.config import SchedulerConfig
@@ -17,6 +19,8 @@ from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.policy import Policy, make_policy
 from tokenloop.errors import CapacityError, InvalidRequestError
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,6 +44,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # ended with an error while being scheduled
     num_batched_tokens: int = 0
 
     @property
@@ -214,37 +219,47 @@ class Scheduler:
         def add(request: Request, n: int) -> None:
             nonlocal budget
             start = request.num_computed_tokens
+            policy.on_scheduled(request, n)
             output.scheduled.append(ScheduledRequest(
                 request=request, num_tokens=n, num_computed_tokens=start,
                 samples=start + n == request.num_tokens, block_ids=kv.get_block_ids(request.request_id)))
             scheduled_ids.add(request.request_id)
             budget -= n
-            policy.on_scheduled(request, n)
 
-        for request in policy.order(list(self._running.values()), now):
+        # Each request's turn is isolated: what raises for one request fails that request alone.
+        for request in self._in_policy_order(self._running, now, output):
             if budget <= 0:
                 break
             if request.request_id not in self._running:
                 continue  # preempted earlier in this step
-            n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
-            if n <= 0:
-                continue  # nothing known left to compute (the caller has not appended a token yet)
-            while kv.allocate(request, n) is None:
-                candidates = [r for r in self._running.values() if r.request_id not in scheduled_ids]
-                victim = policy.victim(candidates, now)
-                self._preempt(victim)
-                output.preempted.append(victim)
-                if victim is request:
-                    break
-            if request.request_id in self._running:
-                add(request, n)
+            try:
+                n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+                if n <= 0:
+                    continue  # nothing known left to compute (the caller has not appended a token yet)
+                while kv.allocate(request, n) is None:
+                    candidates = [r for r in self._running.values() if r.request_id not in scheduled_ids]
+                    victim = self._victim(candidates, now)
+                    self._preempt(victim)
+                    output.preempted.append(victim)
+                    if victim is request:
+                        break
+                if request.request_id in self._running:
+                    add(request, n)
+            except Exception:  # noqa: BLE001 - logged and turned into this request's error
+                self._fail_request(request, "scheduling", output)
 
         # Admitting right after preempting would only evict again what was just made room for.
         if not output.preempted:
-            for request in policy.order(list(self._waiting.values()), now):
+            for request in self._in_policy_order(self._waiting, now, output):
                 if budget <= 0 or len(self._running) >= self.config.max_num_seqs:
                     break
-                computed_blocks, num_hit = kv.get_computed_blocks(request)
+                if request.request_id not in self._waiting:
+                    continue
+                try:
+                    computed_blocks, num_hit = kv.get_computed_blocks(request)
+                except Exception:  # noqa: BLE001 - e.g. a cache salt that cannot be hashed
+                    self._fail_request(request, "looking up the prefix cache for", output)
+                    continue
                 num_left = request.num_tokens - num_hit
                 if self.config.enable_chunked_prefill:
                     n = self._chunk(num_left, budget)
@@ -255,19 +270,70 @@ class Scheduler:
                     n = budget
                 else:
                     break  # it waits for a step with room for all of it
-                if kv.allocate(request, n, computed_blocks, num_hit) is None:
-                    break  # waiting requests never preempt; later ones must not overtake it either
-                del self._waiting[request.request_id]
-                self._running[request.request_id] = request
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_hit
-                if request.times.first_scheduled is None:
-                    request.times.first_scheduled = now
-                    request.num_cached_tokens = num_hit
-                add(request, n)
+                try:
+                    if kv.allocate(request, n, computed_blocks, num_hit) is None:
+                        break  # waiting requests never preempt; later ones must not overtake it either
+                    del self._waiting[request.request_id]
+                    self._running[request.request_id] = request
+                    request.status = RequestStatus.RUNNING
+                    request.num_computed_tokens = num_hit
+                    if request.times.first_scheduled is None:
+                        request.times.first_scheduled = now
+                        request.num_cached_tokens = num_hit
+                    add(request, n)
+                except Exception:  # noqa: BLE001 - logged and turned into this request's error
+                    self._fail_request(request, "admitting", output)
 
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return output
+
+    # ---- fault isolation -----------------------------------------------------------------------------
+
+    def _in_policy_order(self, queue: dict[str, Request], now: int, output: SchedulerOutput) -> Iterator[Request]:
+        """The policy's order over `queue`; a request whose ranking raises is failed, the others go on."""
+        seen: set[str] = set()
+        while True:
+            pending = [r for r in queue.values() if r.request_id not in seen]
+            try:
+                for request in self.policy.order(pending, now):
+                    seen.add(request.request_id)
+                    yield request
+                return
+            except Exception:  # noqa: BLE001 - find which request's ranking fails
+                culprits = [r for r in pending if r.request_id not in seen and not self._ranks(r, now)]
+                if not culprits:
+                    raise  # the policy fails on its own: not one request's fault
+                for request in culprits:
+                    self._fail_request(request, "ranking", output)
+
+    def _ranks(self, request: Request, now: int) -> bool:
+        try:
+            list(self.policy.order([request], now))
+        except Exception:  # noqa: BLE001 - the probe's whole point
+            return False
+        return True
+
+    def _victim(self, candidates: list[Request], now: int) -> Request:
+        try:
+            return self.policy.victim(candidates, now)
+        except Exception:  # noqa: BLE001 - some victim must go; the latest arrival is every policy's fallback
+            logger.exception("the %s policy failed to pick a victim; preempting the latest arrival", self.policy.name)
+            return max(candidates, key=lambda r: r.times.arrival)
+
+    def _fail_request(self, request: Request, stage: str, output: SchedulerOutput) -> None:
+        """End `request` with an error that names only its own stage, and release its blocks."""
+        logger.exception("the scheduler failed while %s request %s", stage, request.request_id)
+        request.error = f"the server failed while {stage} this request"
+        output.scheduled = [item for item in output.scheduled if item.request is not request]
+        try:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        except Exception:  # noqa: BLE001 - the policy's bookkeeping failed too: drop the request anyway
+            logger.exception("finishing failed request %s raised", request.request_id)
+            self._running.pop(request.request_id, None)
+            self._waiting.pop(request.request_id, None)
+            request.status = RequestStatus.FINISHED_ERROR
+            self.kv_cache.free(request)
+        output.failed.append(request)
 
     def update_from_output(self, output: SchedulerOutput) -> None:
         """Advance each scheduled request by the tokens the step computed (the caller appends samples)."""
