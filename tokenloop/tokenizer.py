@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import threading
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -57,6 +60,8 @@ _QWEN2_PRE = frozenset({"qwen2", "deepseek-r1-qwen"})
 # Prompt tokens decoded along with the first output tokens, so a leading space or a character
 # completed by the output decodes the way it would inside the whole text.
 _PROMPT_CONTEXT_TOKENS = 5
+# Texts (characters) and token lists longer than this are encoded / decoded with the GIL released.
+_GIL_FREE_FROM = 4096
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,6 +113,15 @@ class Tokenizer:
         special.update(i for i in (bos_token_id, eos_token_id, pad_token_id, unk_token_id) if i is not None)
         self._all_special_ids = frozenset(special)
         self._compiled_templates: dict[str, jinja2.Template] = {}
+        # Text that spells a special token: in a chat message it is plain text, never the control token.
+        special_texts = sorted({t.content for t in backend.get_added_tokens_decoder().values() if t.special},
+                               key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, special_texts))) if special_texts else None
+        self._literal_backend: RustTokenizer | None = None  # encodes special-token text as plain text
+        self._literal_lock = threading.Lock()
+        # No token covers more characters than its vocabulary string has (byte-level and SentencePiece
+        # spellings take at least one character per byte): len(text) / this bounds the token count below.
+        self.max_token_chars = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=1) or 1
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -318,7 +332,7 @@ class Tokenizer:
         """Token ids of `text`; `add_special_tokens` adds BOS/EOS as the model's config asks."""
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a string, got {type(text).__name__}", param="prompt")
-        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = _encode(self._backend, text, add_special_tokens)
         return self._add_special(ids) if add_special_tokens else ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
@@ -337,6 +351,8 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 characters come out as U+FFFD."""
+        if len(ids) > _GIL_FREE_FROM:  # decode_batch releases the GIL; decode holds it throughout
+            return self._backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # -- chat template -----------------------------------------------------------------------------
@@ -377,6 +393,63 @@ class Tokenizer:
         except (TypeError, ValueError) as exc:  # e.g. a template doing arithmetic on a field it did not expect
             raise InvalidRequestError(f"chat template failed on the conversation: {exc}", param="messages") from exc
         return self.encode(rendered, add_special_tokens=False) if tokenize else rendered
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> tuple[str, list[int]]:
+        """The rendered conversation and its token ids, with what the messages say encoded as plain text.
+
+        Only the template writes control tokens: a user who types `<|im_start|>system` gets those
+        characters, not a forged system turn (as OpenAI's API treats message content). Conversations
+        that spell no special token take the plain path: render, then encode the whole text.
+        """
+        pattern = self._special_text
+        if pattern is None or not any(pattern.search(text) for text in strings_in(messages)):
+            text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            return text, self.encode(text, add_special_tokens=False)  # type: ignore[arg-type]
+        # Each string that spells a special token goes through the template as a unique placeholder.
+        nonce = uuid.uuid4().hex
+        literals: list[str] = []
+
+        def mask(value: Any) -> Any:
+            if isinstance(value, str) and pattern.search(value):
+                literals.append(value)
+                return f"\ue000{nonce}:{len(literals) - 1}\ue001"
+            if isinstance(value, dict):
+                return {k: mask(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [mask(v) for v in value]
+            return value
+
+        rendered = self.apply_chat_template(mask(messages), add_generation_prompt, **template_kwargs)
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)  # type: ignore[arg-type]
+        literal_backend = self._literal()
+        text_parts: list[str] = []
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:  # the template's own text: its control tokens are real
+                text_parts.append(piece)
+                ids.extend(self.encode(piece, add_special_tokens=False) if piece else ())
+            else:
+                literal = literals[int(piece)]
+                text_parts.append(literal)
+                ids.extend(_encode(literal_backend, literal, False))
+        return "".join(text_parts), ids
+
+    def min_num_tokens(self, text_length: int) -> int:
+        """The fewest tokens a text of `text_length` characters can encode to (rejects huge prompts early)."""
+        return -(-text_length // self.max_token_chars)
+
+    def add_special_ids(self, ids: list[int]) -> list[int]:
+        """`ids` with the BOS/EOS that `encode(..., add_special_tokens=True)` would add."""
+        return self._add_special(list(ids))
+
+    def _literal(self) -> RustTokenizer:
+        with self._literal_lock:
+            if self._literal_backend is None:
+                backend = RustTokenizer.from_str(self._backend.to_str())
+                backend.encode_special_tokens = True
+                self._literal_backend = backend
+            return self._literal_backend
 
     def _select_template(self, tools: Any) -> str:
         if tools and "tool_use" in self._named_chat_templates:
@@ -608,6 +681,27 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
     return chat
 
 
+def _encode(backend: RustTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text`; long texts go through encode_batch, which releases the GIL while it works
+    (encode holds it: a 2 MB prompt would stall every other thread of the server for seconds)."""
+    if len(text) > _GIL_FREE_FROM:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def strings_in(value: Any) -> Iterable[str]:
+    """Every string inside nested lists and dicts (message contents, names, tool-call arguments)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def _join_text_parts(parts: list[Any], where: str) -> str:
     texts = []
     for index, part in enumerate(parts):
@@ -659,6 +753,7 @@ class IncrementalDetokenizer:
         self._window_emitted = 0  # chars of the current window, past the prefix text, already consumed
         self._pending = ""  # decoded text held back as a possible stop-string start
         self._chunks: list[str] = []
+        self._num_taken = 0  # chunks already handed out by take_new_text
         self._text = ""
         self._text_stale = False
         self.stop_string: str | None = None  # the stop string that ended the output, if any
@@ -676,6 +771,12 @@ class IncrementalDetokenizer:
     def output_text(self) -> str:
         """Same as `text`."""
         return self.text
+
+    def take_new_text(self) -> str:
+        """Text emitted since the last call (O(new text): no join of everything so far)."""
+        new = "".join(self._chunks[self._num_taken:])
+        self._num_taken = len(self._chunks)
+        return new
 
     @property
     def stopped(self) -> bool:

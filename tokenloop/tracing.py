@@ -25,6 +25,7 @@ time as one span right after the scheduling span, so the two still add up to the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import random
@@ -618,17 +619,20 @@ class Tracer:
 
     def chrome_trace(self, request_id: str | None = None) -> dict[str, Any]:
         """Chrome trace-event JSON: one request (and the iterations around it), or everything recent."""
+        # Copy under the lock (the engine thread takes it every step), build the export outside it.
         with self._lock:
             if request_id is None:
-                traces = list(self._done.values()) + list(self._live.values())
+                traces = [_snapshot(t) for t in list(self._done.values()) + list(self._live.values())]
                 iterations = list(self.iterations)
             else:
                 trace = self._live.get(request_id) or self._done.get(request_id)
                 if trace is None:
                     raise KeyError(request_id)
-                traces = [trace]
-                iterations = _iterations_of(trace, self.iterations)
-            return to_chrome_trace(iterations, traces, self.origin_ns)
+                traces = [_snapshot(trace)]
+                iterations = list(self.iterations)
+        if request_id is not None:
+            iterations = _iterations_of(traces[0], iterations)
+        return to_chrome_trace(iterations, traces, self.origin_ns)
 
     def mechanism(self, request_id: str) -> dict[str, Any]:
         """The request as a mechanism-diagram scenario with measured durations (see `to_mechanism`)."""
@@ -636,7 +640,8 @@ class Tracer:
             trace = self._live.get(request_id) or self._done.get(request_id)
             if trace is None:
                 raise KeyError(request_id)
-            return to_mechanism(trace, self.decode, self.block_size)
+            trace = _snapshot(trace)
+        return to_mechanism(trace, self.decode, self.block_size)
 
     def dashboard_state(self, max_iterations: int = 240, max_requests: int = 40) -> dict[str, Any]:
         """The live dashboard's snapshot: counters, KV blocks, recent iterations, requests and series."""
@@ -717,6 +722,12 @@ class Tracer:
                   "cached_free": cached_free, "free": total - referenced - cached_free,
                   "prefix_cache_hit_rate": hits / queries if queries else 0.0, "evictions": kv.evictions}
         return running + waiting, counters, blocks
+
+
+def _snapshot(trace: RequestTrace) -> RequestTrace:
+    """A copy of `trace` whose lists the engine thread no longer appends to (taken under the lock)."""
+    return dataclasses.replace(trace, events=list(trace.events), chunks=list(trace.chunks),
+                               output_token_ids=list(trace.output_token_ids))
 
 
 def _iterations_of(trace: RequestTrace, recent: Iterable[IterationTrace]) -> list[IterationTrace]:

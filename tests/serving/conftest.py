@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -86,6 +87,20 @@ def running_server(checkpoint: Checkpoint, *, api_key: str | None = None, shutdo
     with ServerThread(app, shutdown_timeout_s=shutdown_timeout_s) as thread, \
             httpx.Client(base_url=thread.url, timeout=60.0) as client:
         yield LiveServer(thread, client, engine, app.state.async_engine)
+
+
+def wait_for_health(url: str, process: subprocess.Popen[str], timeout_s: float = 120.0) -> None:
+    """Until the server process at `url` answers /health with 200 (fails if it exits or takes too long)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert process.poll() is None, process.stdout.read() if process.stdout else ""
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.1)
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any] | str]:

@@ -372,11 +372,16 @@ def test_metrics(server: LiveServer) -> None:
 
 # ---- failures -------------------------------------------------------------------------------------
 
-def _fail_once(target: object, name: str) -> None:
+def _fail_once(target: object, name: str, times: int = 1) -> None:
+    """Make `target.name` raise on its next `times` calls, then work again."""
     original = getattr(target, name)
+    left = times
 
     def broken(*args: Any, **kwargs: Any) -> Any:
-        setattr(target, name, original)
+        nonlocal left
+        left -= 1
+        if left <= 0:
+            setattr(target, name, original)
         raise RuntimeError("injected failure")
 
     setattr(target, name, broken)
@@ -385,16 +390,18 @@ def _fail_once(target: object, name: str) -> None:
 @pytest.mark.parametrize("where", ["forward", "step"])
 def test_engine_failure_is_a_500_and_the_next_request_works(server: LiveServer, where: str) -> None:
     body = {"prompt": "hello", "max_tokens": 3, "ignore_eos": True}
-    # Forward failures are caught by the engine (it fails the batch); a scheduler failure escapes step().
+    # A forward that fails for the batch and again for the request alone fails that request (the engine
+    # retries it alone to find whose forward fails); a scheduler failure escapes step() and fails the batch.
     target = ("runner", "execute") if where == "forward" else ("scheduler", "schedule")
-    server.on_engine(lambda e: _fail_once(getattr(e, target[0]), target[1]))
+    times = 2 if where == "forward" else 1
+    server.on_engine(lambda e: _fail_once(getattr(e, target[0]), target[1], times))
     r = server.client.post("/v1/completions", json=body)
     assert r.status_code == 500, r.text
     assert r.json()["error"]["type"] == "server_error"
     assert_alive(server)
     server.wait_idle()
 
-    server.on_engine(lambda e: _fail_once(getattr(e, target[0]), target[1]))
+    server.on_engine(lambda e: _fail_once(getattr(e, target[0]), target[1], times))
     events = read_stream(server.client, "/v1/chat/completions", {"messages": CHAT, "stream": True, **body})
     assert events[-1] == "[DONE]"
     assert "error" in events[-2] and events[-2]["error"]["type"] == "server_error"

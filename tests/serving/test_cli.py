@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.serving.conftest import wait_for_health
 from tokenloop.cli import _engine_options, build_parser, parse_size
 from tokenloop.serving.server import free_port
 
@@ -70,16 +70,7 @@ def test_serve_process_exits_0_on_signal(tiny_model_dir: Path, sig: signal.Signa
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=REPO)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert process.poll() is None, process.stdout.read() if process.stdout else ""
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
+        wait_for_health(url, process)
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.json()["model"] == str(tiny_model_dir)
         process.send_signal(sig)

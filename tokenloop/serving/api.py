@@ -13,25 +13,24 @@ A client that goes away, streaming or not, has its requests aborted before the e
 from __future__ import annotations
 
 import asyncio
-import json
+import concurrent.futures
+import functools
 import logging
-import math
-import secrets
-from collections.abc import AsyncIterator, Sequence
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenloop import __version__
 from tokenloop.engine import LLMEngine, RequestOutput
-from tokenloop.errors import (CapacityError, EngineStoppedError, InvalidRequestError, RequestFailedError,
-                              TokenloopError)
+from tokenloop.errors import EngineStoppedError, InvalidRequestError, RequestFailedError, TokenloopError
 from tokenloop.metrics import CONTENT_TYPE, EngineMetrics
 from tokenloop.request import SamplingParams
 from tokenloop.sampler import TokenLogprobs
@@ -39,92 +38,26 @@ from tokenloop.serving.async_engine import AsyncEngine, RequestSpec, RequestStre
 from tokenloop.serving.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, ChatStreamChoice, ChatTokenLogprob,
                                         CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                        DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorInfo, ErrorResponse,
+                                        DeltaMessage, DetokenizeRequest, DetokenizeResponse,
                                         ModelCard, ModelList, PromptTokensDetails, TokenizeChatRequest,
                                         TokenizeCompletionRequest, TokenizeResponse, TopLogprob, UsageInfo,
                                         VersionResponse, now_s, random_id)
+from tokenloop.serving.errors import APIError, api_error, internal_error, invalid, new_incident_id, validation_error
+from tokenloop.serving.limits import EdgeGuard, ServerLimits
 from tokenloop.serving.sse import DONE_FRAME, EventStreamResponse, frame
 from tokenloop.serving.trace_routes import make_trace_router
+from tokenloop.serving.validation import (EdgeContext, check_context, check_context_lower_bound, check_messages,
+                                          check_prompt_token_ids, check_sampling_fields, check_template_kwargs,
+                                          parse_json_object, validate_body)
+from tokenloop.tokenizer import strings_in
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
 # JSON has no -inf; a logprob of exactly zero probability is reported as this instead.
 _MIN_LOGPROB = -9999.0
-
-
-# ---------------------------------------------------------------------------------------------------
-# Errors
-# ---------------------------------------------------------------------------------------------------
-class APIError(Exception):
-    """An error with its HTTP status and OpenAI error fields."""
-
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
-
-    def frame(self) -> str:
-        """The error as an SSE frame, for failures after a stream has started."""
-        return frame(ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                                   code=self.code)))
-
-
-def api_error(exc: BaseException) -> APIError:
-    """Map any exception to the API error a client should see."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, InvalidRequestError):
-        return APIError(400, exc.message, "invalid_request_error", exc.param)
-    if isinstance(exc, CapacityError):
-        retry = max(1, math.ceil(exc.retry_after_s))
-        return APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
-                        headers={"Retry-After": str(retry)})
-    if isinstance(exc, EngineStoppedError):
-        return APIError(503, str(exc), "server_error", None, "service_unavailable")
-    if isinstance(exc, RequestFailedError):
-        return APIError(500, str(exc), "server_error", None, "internal_error")
-    if isinstance(exc, TokenloopError):
-        return APIError(500, str(exc), "server_error", None, "internal_error")
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
-
-
-def _validation_param(loc: Sequence[Any]) -> str | None:
-    """`("body", "messages", 0, "content")` -> `messages[0].content`; union member tags are dropped."""
-    parts = list(loc[1:] if loc and loc[0] in ("body", "query", "path") else loc)
-    out = ""
-    for part in parts:
-        if isinstance(part, int):
-            out += f"[{part}]"
-            continue
-        text = str(part)
-        # pydantic names the union member it tried ('str', 'list[int]', 'function-after[...]'): not a field.
-        if text in {"str", "int", "float", "bool", "list", "dict", "none"} or any(ch in text for ch in "[]-("):
-            break
-        out = f"{out}.{text}" if out else text
-    return out or None
-
-
-def _validation_error(errors: Sequence[Any]) -> APIError:
-    first = dict(errors[0]) if errors else {}
-    loc = first.get("loc", ())
-    if first.get("type") == "json_invalid":
-        detail = str(first.get("ctx", {}).get("error", "")) or "malformed"
-        return APIError(400, f"the request body is not valid JSON: {detail}", "invalid_request_error", None,
-                        "invalid_json")
-    param = _validation_param(loc)
-    message = str(first.get("msg", "invalid request"))
-    if param is None and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
-        message = "the request body must be a JSON object"
-    elif param is not None:
-        message = f"{param}: {message}"
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error(s))"
-    return APIError(400, message, "invalid_request_error", param)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -217,22 +150,35 @@ async def _wait_for_disconnect(request: Request) -> None:
 class OpenAIServing:
     """Turns API requests into engine submissions and engine outputs into OpenAI responses."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str, model_aliases: Sequence[str] = ()) -> None:
+    def __init__(self, async_engine: AsyncEngine, model_name: str, model_aliases: Sequence[str] = (),
+                 limits: ServerLimits | None = None) -> None:
         self.async_engine = async_engine
         self.model_name = model_name
         self.model_aliases = {model_name, *model_aliases}
         engine = async_engine.engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.limits = limits or ServerLimits()
+        self.edge = EdgeContext(self.limits, engine.checkpoint.config.vocab_size, engine.max_model_len,
+                                engine.config.scheduler.max_waiting)
         self.created = now_s()
         self._token_strs: dict[int, str] = {}  # bounded by the vocabulary
+        # Tokenizing and chat templating are CPU work: never on the event loop, never on the engine thread.
+        self._workers = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenloop-prep")
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._workers, functools.partial(fn, *args))
 
     # ---- helpers -----------------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_aliases:
             # 400, as the issue asks for every bad field (OpenAI itself answers 404 here).
-            raise APIError(400, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+            shown = model if len(model) <= 100 else model[:100] + "..."
+            raise APIError(400, f"The model `{shown}` does not exist. This server serves `{self.model_name}`.",
                            "invalid_request_error", "model", "model_not_found")
 
     def token_str(self, token_id: int) -> str:
@@ -305,20 +251,39 @@ class OpenAIServing:
 
     # ---- /v1/completions ---------------------------------------------------------------------------
 
+    def _prepare_completion(self, req: CompletionRequest) -> tuple[SamplingParams, list[str | list[int]],
+                                                                   list[list[int]]]:
+        """Checks, sampling params and tokenized prompts of a completion request (runs off the loop)."""
+        prompts = req.prompts()
+        check_sampling_fields(req, self.edge, num_prompts=len(prompts))
+        params = req.to_sampling_params()
+        token_ids: list[list[int]] = []
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            if isinstance(prompt, str):
+                check_context_lower_bound(self.tokenizer.min_num_tokens(len(prompt)), self.edge, param)
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = list(prompt)
+                check_prompt_token_ids(ids, param, self.edge.vocab_size)
+            if not ids:
+                raise invalid("the prompt is empty: at least one token is needed", param)
+            check_context(len(ids), params.max_tokens, self.edge, param, "max_tokens")
+            token_ids.append(ids)
+        return params, prompts, token_ids
+
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        params = req.to_sampling_params()
-        prompts = req.prompts()
+        params, prompts, token_ids = await self._off_loop(self._prepare_completion, req)
         response_id = random_id("cmpl")
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
         salt = req.cache_salt
         if params.prompt_logprobs is not None:
             # Prompt logprobs need the prompt's logits: a private salt keeps the prefix cache from skipping them.
             salt = f"{salt or ''}\x00prompt-logprobs-{response_id}"
-        specs = [RequestSpec(rid, p if isinstance(p, str) else None, params,
-                             prompt_token_ids=None if isinstance(p, str) else p, priority=req.priority,
-                             user=req.user, cache_salt=salt)
-                 for rid, p in zip(request_ids, prompts)]
+        specs = [RequestSpec(rid, p if isinstance(p, str) else None, params, prompt_token_ids=ids,
+                             priority=req.priority, user=req.user, cache_salt=salt)
+                 for rid, p, ids in zip(request_ids, prompts, token_ids)]
         submission = _Submission(response_id, now_s(),
                                  [_Prompt(p if isinstance(p, str) else None) for p in prompts], request_ids, params.n)
         stream = await self._submit(specs)
@@ -407,22 +372,34 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------
 
-    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+    def _prepare_chat(self, req: ChatCompletionRequest) -> tuple[SamplingParams, str, list[int]]:
+        """Checks, sampling params and the templated, tokenized conversation (runs off the loop)."""
+        check_messages(req.messages)
+        check_template_kwargs(req.chat_template_kwargs)
+        check_sampling_fields(req, self.edge)
+        # Every message renders to at least one token, every string to at least its share of characters.
+        num_chars = sum(len(text) for text in strings_in(req.messages))
+        check_context_lower_bound(max(len(req.messages), self.tokenizer.min_num_tokens(num_chars)), self.edge,
+                                  "messages")
         try:
             params = req.to_sampling_params()
-            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                                      tokenize=False, **(req.chat_template_kwargs or {}))
-            # The template wrote the special tokens; encoding must not add a second BOS.
-            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
-            response_id = random_id("chatcmpl")
-            spec = RequestSpec(response_id, text, params, prompt_token_ids=token_ids, priority=req.priority,
-                               user=req.user, cache_salt=req.cache_salt)
-            stream = await self._submit([spec])
+            text, token_ids = self.tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
+                                                         **(req.chat_template_kwargs or {}))
         except InvalidRequestError as exc:
             # The engine speaks of the prompt and max_tokens; the client sent messages and maybe another name.
             param = {"prompt": "messages", "max_tokens": req.max_tokens_param}.get(exc.param or "", exc.param)
-            raise APIError(400, exc.message, "invalid_request_error", param) from exc
+            message = re.sub(r"\bmax_tokens\b", req.max_tokens_param, exc.message)
+            raise invalid(message, param) from None
+        check_context(len(token_ids), params.max_tokens, self.edge, "messages", req.max_tokens_param)
+        return params, text, token_ids
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_model(req.model)
+        params, text, token_ids = await self._off_loop(self._prepare_chat, req)
+        response_id = random_id("chatcmpl")
+        spec = RequestSpec(response_id, text, params, prompt_token_ids=token_ids, priority=req.priority,
+                           user=req.user, cache_salt=req.cache_salt)
+        stream = await self._submit([spec])
         submission = _Submission(response_id, now_s(), [_Prompt(text)], [response_id], params.n)
         num_top = req.top_logprobs or 0
         if req.stream:
@@ -486,15 +463,19 @@ class OpenAIServing:
     # ---- /tokenize, /detokenize, /v1/models ---------------------------------------------------------
 
     def tokenize(self, body: dict[str, Any]) -> TokenizeResponse:
-        if isinstance(body, dict) and "messages" in body:
-            chat = TokenizeChatRequest.model_validate(body)
+        """POST /tokenize (runs off the loop)."""
+        if "messages" in body:
+            chat = validate_body(TokenizeChatRequest, body)
             self.check_model(chat.model)
-            text = self.tokenizer.apply_chat_template(chat.messages, add_generation_prompt=chat.add_generation_prompt,
-                                                      tokenize=False, **(chat.chat_template_kwargs or {}))
-            ids = self.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens)
+            check_messages(chat.messages)
+            check_template_kwargs(chat.chat_template_kwargs)
+            _, ids = self.tokenizer.encode_chat(chat.messages, add_generation_prompt=chat.add_generation_prompt,
+                                                **(chat.chat_template_kwargs or {}))
+            if chat.add_special_tokens:
+                ids = self.tokenizer.add_special_ids(ids)
             want_strs = chat.return_token_strs
         else:
-            plain = TokenizeCompletionRequest.model_validate(body)
+            plain = validate_body(TokenizeCompletionRequest, body)
             self.check_model(plain.model)
             ids = self.tokenizer.encode(plain.prompt, add_special_tokens=plain.add_special_tokens)
             want_strs = plain.return_token_strs
@@ -502,12 +483,12 @@ class OpenAIServing:
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
 
     def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """POST /detokenize (runs off the loop)."""
         self.check_model(req.model)
         vocab = self.tokenizer.vocab_size
         for i, token in enumerate(req.tokens):
             if not 0 <= token < vocab:
-                raise APIError(400, f"token {token} is not a token id in [0, {vocab})", "invalid_request_error",
-                               f"tokens[{i}]")
+                raise invalid(f"token {token} is not a token id in [0, {vocab})", f"tokens[{i}]")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     def models(self) -> ModelList:
@@ -528,18 +509,21 @@ def create_app(
     api_key: str | None = None,
     shutdown_timeout_s: float = 5.0,
     async_engine: AsyncEngine | None = None,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `engine` (which it runs on its own thread from startup to shutdown).
 
     `served_model_name` is what clients put in `model` (default: the engine's model name or path).
-    With `api_key`, every /v1 route wants `Authorization: Bearer <api_key>`. Shutdown lets in-flight
-    requests finish for `shutdown_timeout_s`, then aborts the rest.
+    With `api_key`, every route that accepts work or reveals request data wants
+    `Authorization: Bearer <api_key>` (see `limits.EdgeGuard`). Shutdown lets in-flight requests finish
+    for `shutdown_timeout_s`, then aborts the rest.
     """
+    limits = limits or ServerLimits()
     model_name = served_model_name or engine.config.model
     if async_engine is None:
-        async_engine = AsyncEngine(engine, EngineMetrics(model_name))
+        async_engine = AsyncEngine(engine, EngineMetrics(model_name), max_stream_backlog=limits.max_stream_backlog)
     metrics = async_engine.metrics
-    serving = OpenAIServing(async_engine, model_name, model_aliases=[engine.config.model])
+    serving = OpenAIServing(async_engine, model_name, model_aliases=[engine.config.model], limits=limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -548,20 +532,14 @@ def create_app(
             yield
         finally:
             await async_engine.shutdown(shutdown_timeout_s)
+            serving.close()
 
     app = FastAPI(title="tokenloop", version=__version__, lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.serving = serving
     app.state.metrics = metrics
-
-    async def require_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
-                           "invalid_request_error", None, "invalid_api_key")
+    app.state.limits = limits
+    app.add_middleware(EdgeGuard, api_key=api_key, limits=limits)
 
     @app.exception_handler(APIError)
     async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -569,17 +547,13 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc.errors()).response()
-
-    @app.exception_handler(ValidationError)
-    async def _on_model_validation_error(_: Request, exc: ValidationError) -> JSONResponse:
-        return _validation_error(exc.errors()).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(TokenloopError)
     async def _on_tokenloop_error(_: Request, exc: TokenloopError) -> JSONResponse:
         error = api_error(exc)
         if error.status >= 500:
-            logger.error("request failed: %s", exc)
+            logger.error("%s (%s)", error.message, type(exc).__name__, exc_info=exc)
         return error.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -588,11 +562,24 @@ def create_app(
         return APIError(exc.status_code, str(exc.detail), kind, None, None, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
-    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error while serving a request")
-        return api_error(exc).response()
+    async def _on_unexpected(raw: Request, exc: Exception) -> JSONResponse:
+        incident = new_incident_id()
+        logger.error("unexpected error while serving %s %s (%s)", raw.method, raw.url.path, incident,
+                     exc_info=exc)
+        return internal_error(incident).response()
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+    async def json_body(raw: Request, model: type[ModelT] | None = None) -> Any:
+        """The checked body (validated as `model` when given). EdgeGuard has read and bounded it already;
+        parsing and validating a body of megabytes is CPU work, so it runs off the event loop."""
+        body, content_type = await raw.body(), raw.headers.get("content-type")
+
+        def parse() -> Any:
+            value = parse_json_object(body, content_type, limits.max_json_depth)
+            return value if model is None else validate_body(model, value)
+
+        return await serving._off_loop(parse)  # noqa: SLF001 - same module
+
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
     async def list_models() -> Response:
@@ -604,31 +591,29 @@ def create_app(
         return _json(serving.models().data[0])
 
     @v1.post("/completions")
-    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        return await serving.completions(body, raw)
+    async def create_completion(raw: Request) -> Response:
+        return await serving.completions(await json_body(raw, CompletionRequest), raw)
 
     @v1.post("/chat/completions")
-    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await serving.chat(body, raw)
+    async def create_chat_completion(raw: Request) -> Response:
+        return await serving.chat(await json_body(raw, ChatCompletionRequest), raw)
+
 
     app.include_router(v1)
-    # Traces and the dashboard stay outside the API key: the page polls without credentials.
+    # /v1/trace* and /v1/dashboard/state are behind the key (EdgeGuard); the /dashboard page asks for it.
     app.include_router(make_trace_router(lambda: engine.tracer))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
-        try:
-            body = json.loads(await raw.body())
-        except ValueError as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}", "invalid_request_error", None,
-                           "invalid_json") from exc
-        return _json(serving.tokenize(body))
+        body = await json_body(raw)
+        return _json(await serving._off_loop(serving.tokenize, body))  # noqa: SLF001 - same module
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> Response:
-        return _json(serving.detokenize(body))
+    async def detokenize(raw: Request) -> Response:
+        req = await json_body(raw, DetokenizeRequest)
+        return _json(await serving._off_loop(serving.detokenize, req))  # noqa: SLF001 - same module
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not async_engine.is_running or not async_engine.accepting:
             raise APIError(503, "the engine is not running", "server_error", None, "service_unavailable")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -37,6 +38,7 @@ T = TypeVar("T")
 
 # How long the engine thread sleeps when requests exist but none could be scheduled (avoids a busy loop).
 _NOTHING_SCHEDULED_WAIT_S = 0.005
+_GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -73,19 +75,33 @@ class RequestStream:
     failed without an output (its step raised) raises `RequestFailedError` from the iterator.
     """
 
-    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str], loop: asyncio.AbstractEventLoop,
+                 max_backlog: int | None = None) -> None:
         self.request_ids = list(request_ids)
         self.loop = loop
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._unfinished = set(request_ids)
+        self._max_backlog = max_backlog
+        self._overflowed = False
 
     @property
     def finished(self) -> bool:
         return not self._unfinished
 
     def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)  # on the stream's loop (called via call_soon_threadsafe)
+        """Queue an output (on the stream's loop, via call_soon_threadsafe); a reader that fell too far
+        behind has its requests aborted instead of having their outputs buffered without bound."""
+        if self._overflowed:
+            return
+        if self._max_backlog is not None and self._queue.qsize() >= self._max_backlog:
+            self._overflowed = True
+            self._engine.abort([rid for rid in self.request_ids if rid in self._unfinished])
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            item = RequestFailedError(f"the client stopped reading: more than {self._max_backlog} outputs "
+                                      "were waiting for it, so its request was aborted")
+        self._queue.put_nowait(item)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -146,10 +162,12 @@ class AsyncEngine:
     """Runs an `LLMEngine` on a dedicated thread; coroutines submit, stream and abort requests."""
 
     def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, *, name: str = "tokenloop-engine",
-                 ) -> None:
+                 max_stream_backlog: int | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self._name = name
+        self._max_stream_backlog = max_stream_backlog
+        self.crashed = False  # the engine thread died of a bug: the process should exit non-zero
         self._wakeup = threading.Condition()
         self._commands: list[_Submit | _Abort | _Call | _Stop] = []  # guarded by _wakeup
         self._closed = False  # guarded by _wakeup: set once the engine thread has exited
@@ -171,6 +189,11 @@ class AsyncEngine:
                 return
             if self._stopped.is_set():
                 raise EngineStoppedError("the engine has been shut down")
+            # The engine thread releases the GIL in every torch op and must get it back at once: with the
+            # default 5 ms switch interval, any thread doing Python work (an export, a chat template) makes it
+            # wait up to 5 ms per op, slowing steps many times over. 0.5 ms bounds that convoy.
+            if sys.getswitchinterval() > _GIL_SWITCH_INTERVAL_S:
+                sys.setswitchinterval(_GIL_SWITCH_INTERVAL_S)
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
 
@@ -233,7 +256,8 @@ class AsyncEngine:
         if not specs:
             raise ValueError("add_requests needs at least one request")
         self.start()
-        stream = RequestStream(self, [s.request_id for s in specs], asyncio.get_running_loop())
+        stream = RequestStream(self, [s.request_id for s in specs], asyncio.get_running_loop(),
+                               self._max_stream_backlog)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._send(_Submit(list(specs), stream, done))
         try:
@@ -319,9 +343,11 @@ class AsyncEngine:
                             if not self._commands:
                                 self._wakeup.wait(_NOTHING_SCHEDULED_WAIT_S)
         except BaseException:  # a bug in this loop itself: fail everyone rather than hang them
-            logger.exception("the engine thread crashed")
+            logger.critical("the engine thread crashed; failing %d in-flight request(s)", len(self._live),
+                            exc_info=True)
             self._accepting = False
-            self._fail_all(RequestFailedError("the engine thread crashed"))
+            self.crashed = True
+            self._fail_all(RequestFailedError("the engine stopped unexpectedly; the server is restarting"))
             raise
         finally:
             self._stopped.set()
@@ -387,11 +413,12 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - the engine state is unknown: fail what is in flight
+        except Exception:  # noqa: BLE001 - not one request's fault (those fail alone inside the step)
             logger.exception("engine step failed; failing the %d in-flight request(s)", len(self._live))
             with self._counts_lock:
                 self._counts.step_failures += 1
-            self._fail_all(RequestFailedError(f"the engine step failed: {exc!r}"))
+            # The text names no request's data: it reaches every client in flight.
+            self._fail_all(RequestFailedError("the engine step failed; see the server log"))
             self._refresh_stats()
             return
         deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []

@@ -109,6 +109,7 @@ class _SamplingFields(_Request):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            output_kind="delta",  # the server assembles responses from deltas: O(1) per step and token
         )
 
 
@@ -156,6 +157,9 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None  # deprecated by OpenAI: refused with a pointer to tools
+    function_call: str | dict[str, Any] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -167,6 +171,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
         if self.tools:
             raise InvalidRequestError("tools are not supported", param="tools")
+        if self.tool_choice is not None:
+            raise InvalidRequestError("tool_choice is only allowed together with tools", param="tool_choice")
+        if self.functions is not None or self.function_call is not None:
+            param = "functions" if self.functions is not None else "function_call"
+            raise InvalidRequestError(f"{param} is deprecated and not supported: use tools and tool_choice",
+                                      param=param)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self._sampling_params(max_tokens, logprobs)

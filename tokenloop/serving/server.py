@@ -19,6 +19,9 @@ from types import TracebackType
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from tokenloop.serving.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,15 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._app = app
         self._shutdown_timeout_s = shutdown_timeout_s
+        self.engine_died = False  # the process must exit non-zero so that a supervisor restarts it
+
+    async def on_tick(self, counter: int) -> bool:
+        async_engine = getattr(self._app.state, "async_engine", None)
+        if async_engine is not None and async_engine.crashed and not self.engine_died:
+            logger.critical("the engine thread died: shutting down so that a supervisor can restart the server")
+            self.engine_died = True
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         async_engine = getattr(self._app.state, "async_engine", None)
@@ -51,15 +63,62 @@ class _Server(uvicorn.Server):
             await drain
 
 
+def _guarded_h11(header_read_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, plus a deadline for a request's headers (uvicorn has none: a client that
+    opens a connection and trickles bytes would hold it forever)."""
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_deadline: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_deadline = self.loop.call_later(header_read_timeout_s, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._disarm()  # the headers are in: the body has its own timeout (EdgeGuard)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()  # the next request on this keep-alive connection gets the same deadline
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
 def _make_server(app: FastAPI, host: str, port: int, shutdown_timeout_s: float, log_level: str) -> _Server:
+    limits = getattr(app.state, "limits", None) or ServerLimits()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False,
-                            timeout_graceful_shutdown=math.ceil(shutdown_timeout_s + _UVICORN_GRACE_S))
+                            timeout_graceful_shutdown=math.ceil(shutdown_timeout_s + _UVICORN_GRACE_S),
+                            http=_guarded_h11(limits.header_read_timeout_s),
+                            limit_concurrency=limits.max_concurrent_connections)
     return _Server(config, app, shutdown_timeout_s)
 
 
 def serve_forever(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, shutdown_timeout_s: float = 5.0,
                   log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully and return (the caller exits 0)."""
+    """Serve until SIGINT/SIGTERM, then shut down gracefully and return (the caller exits 0).
+
+    If the engine thread dies, in-flight requests are failed and this exits with status 3.
+    """
     for sig in (signal.SIGINT, signal.SIGTERM):
         # uvicorn restores these after its own handling and re-raises the signal into them.
         signal.signal(sig, lambda *_: None)
@@ -67,6 +126,8 @@ def serve_forever(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, sh
     server.run()
     if not server.started:
         raise SystemExit(1)  # bind failure or a failed startup (uvicorn logged why)
+    if server.engine_died:
+        raise SystemExit(3)  # in-flight requests were failed; a supervisor restarts the process
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -280,15 +280,40 @@
     setStatus(true, "live · tracing " + (t.enabled ? "on" : "off") + ", requests sampled " + fmt(100 * t.sample_rate, 0) + " %");
   }
 
+  // With --api-key the state route wants the key: the page asks for it once and keeps it for this tab only.
+  var KEY_STORE = "tokenloop-api-key";
+  var waitingForKey = false;
+
+  function askForKey(message) {
+    waitingForKey = true;
+    $("key-form").hidden = false;
+    $("key-input").focus();
+    setStatus(false, message);
+  }
+
+  $("key-form").addEventListener("submit", function (event) {
+    event.preventDefault();
+    sessionStorage.setItem(KEY_STORE, $("key-input").value.trim());
+    $("key-input").value = "";
+    $("key-form").hidden = true;
+    if (waitingForKey) { waitingForKey = false; poll(); }
+  });
+
   function poll() {
-    fetch("v1/dashboard/state", { cache: "no-store" })
+    var key = sessionStorage.getItem(KEY_STORE);
+    var headers = key ? { "Authorization": "Bearer " + key } : {};
+    fetch("v1/dashboard/state", { cache: "no-store", headers: headers })
       .then(function (response) {
+        if (response.status === 401) {
+          sessionStorage.removeItem(KEY_STORE);
+          askForKey(key ? "wrong API key: enter it again" : "this server needs its API key");
+          return null;
+        }
         if (!response.ok) { throw new Error("state: HTTP " + response.status); }
-        return response.json();
+        return response.json().then(render);
       })
-      .then(render)
       .catch(function (err) { setStatus(false, String(err.message || err)); })
-      .then(function () { setTimeout(poll, POLL_MS); });
+      .then(function () { if (!waitingForKey) { setTimeout(poll, POLL_MS); } });
   }
 
   poll();
