@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -144,3 +145,19 @@ def test_dashboard_live_in_chromium(tiny: Checkpoint, tmp_path: Path) -> None:
     picture = REPO / "docs" / "dashboard.png"
     if picture.parent.is_dir() and (not picture.exists() or os.environ.get("TOKENLOOP_UPDATE_SCREENSHOTS") == "1"):
         shutil.copyfile(shot, picture)
+
+
+def test_dashboard_behind_a_key_asks_for_it(tiny: Checkpoint, tmp_path: Path) -> None:
+    """With --api-key the page is served but its data is not: it shows the key form instead."""
+    from tokenloop.serving.api import create_app
+    from tokenloop.serving.server import ServerThread
+
+    engine = make_engine(tiny, Tracer(), num_blocks=96)
+    app = create_app(engine, served_model_name="tiny", api_key="sesame")
+    with ServerThread(app) as server:
+        dom = _chromium(tmp_path / "profile-key", "--virtual-time-budget=3000", "--dump-dom",
+                        server.url + "/dashboard")
+        state = httpx.get(server.url + "/v1/dashboard/state", headers={"Authorization": "Bearer sesame"})
+    assert 'class="status down"' in dom and "needs its API key" in dom
+    assert re.search(r'<form id="key-form" class="key-form">', dom), "the key form stayed hidden"
+    assert state.status_code == 200 and "counters" in state.json()  # the key opens the same route
