@@ -80,8 +80,9 @@ def key_matches(headers: dict[str, str], api_key: str) -> bool:
 
 
 class _BodyError(Exception):
-    def __init__(self, error: APIError) -> None:
+    def __init__(self, error: APIError, close: bool = True) -> None:
         self.error = error
+        self.close = close  # the unread rest of the body is still on the wire
 
 
 class EdgeGuard:
@@ -105,7 +106,7 @@ class EdgeGuard:
             try:
                 body = await self._read_body(headers, receive)
             except _BodyError as exc:
-                await _send_error(send, exc.error, close=True)
+                await _send_error(send, exc.error, close=exc.close)
                 return
             receive = _replay(body, receive)
         started = False
@@ -128,11 +129,13 @@ class EdgeGuard:
     async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
         limit = self.limits.max_body_bytes
         declared = headers.get("content-length")
-        if declared is not None:
-            if not declared.isdigit():
-                raise _BodyError(invalid("the Content-Length header is not a number"))
-            if int(declared) > limit:
-                raise _BodyError(_too_large(limit))
+        if declared is not None and not declared.isdigit():
+            raise _BodyError(invalid("the Content-Length header is not a number"))
+        # A body somewhat over the limit is read and dropped, so that the client, still sending, gets to
+        # read the 413 (a connection closed under it reads as a reset); one far over it is cut off.
+        drain_up_to = 4 * limit
+        if declared is not None and int(declared) > drain_up_to:
+            raise _BodyError(_too_large(limit))
         chunks: list[bytes] = []
         size = 0
         loop = asyncio.get_running_loop()
@@ -148,10 +151,13 @@ class EdgeGuard:
                 raise _BodyError(invalid("the client disconnected while sending the body"))
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > limit:
+            if size > drain_up_to:
                 raise _BodyError(_too_large(limit))
-            chunks.append(chunk)
+            if size <= limit:
+                chunks.append(chunk)
             if not message.get("more_body", False):
+                if size > limit:
+                    raise _BodyError(_too_large(limit), close=False)
                 return b"".join(chunks)
 
 

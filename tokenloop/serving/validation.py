@@ -1,6 +1,6 @@
 """Validation at the edge: request bodies are parsed and checked here, before anything reaches the engine.
 
-One pass over the parsed JSON enforces what holds for every field of every route: the body is a JSON
+One check of the parsed JSON enforces what holds for every field of every route: the body is a JSON
 object, nested at most `max_depth` deep, every string is valid Unicode (no lone UTF-16 surrogates, which
 cannot be encoded as UTF-8 and would break tokenizing, hashing or logging deep inside the loop) and every
 number is finite (JSON has no NaN or Infinity; Python's parser accepts them unless told not to).
@@ -31,9 +31,9 @@ class _NonFinite:
         self.text = text[:40]
 
 
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")  # ASCII digits only: str.isdigit() also accepts '²'
 # A JSON escape of a UTF-16 surrogate: the only way a lone one can get into the parsed body (the UTF-8
 # decoder refuses encoded surrogates). Pairs are fine and are joined by the parser; only lone ones fail.
-_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,12}")  # ASCII digits only: str.isdigit() also accepts '²'
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
