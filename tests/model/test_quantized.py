@@ -14,7 +14,7 @@ from tests.model.paged_harness import PagedHarness, Sequence
 from tests.model.test_loader import write_tiny_gguf
 from tokenloop.model.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
-from tokenloop.model.quantized import (GGMLTensor, Int4Weight, Int8Weight, PackedLinear, PackThresholds,
+from tokenloop.model.quantized import (GGMLTensor, Int4Weight, PackedLinear, PackThresholds, Q8Weight,
                                        QuantizedEmbedding, pack_linear)
 
 
@@ -80,16 +80,18 @@ def test_int4_gemm_random_shapes(n: int, k: int, rows: int) -> None:
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, 4, 9])
-def test_int8_gemm_matches_its_dequantization(rows: int) -> None:
-    gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(48, 64, generator=gen)
-    packed = Int8Weight.quantize(weight)
-    assert (packed.dequantize() - weight).abs().max() <= weight.abs().max() / 127
-    x = torch.randn(rows, 64, generator=gen)
-    expected = x.bfloat16().float() @ packed.dequantize().t()
-    got = packed.matmul(x).float()
-    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+@pytest.mark.parametrize("rows", [1, 4, 9])  # 9: the four-row blocks and the remainder
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_q8_gemm_matches_fp32_reference(rows: int, use_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    tensor, reference = _ggml(QType.Q8_0, 40, 96)
+    if not use_kernel:  # the PyTorch fallback, as without a compiler
+        monkeypatch.setattr("tokenloop.model.quantized.paged_decode_kernels", lambda: None)
+    packed = Q8Weight.from_q8(tensor)
+    assert torch.equal(packed.dequantize(), torch.from_numpy(reference))
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    got = packed.matmul(x)
+    assert got.dtype == torch.float32  # fp32 sums and output: the file's values, no bf16 rounding
+    torch.testing.assert_close(got, x @ torch.from_numpy(reference).t(), rtol=1e-5, atol=1e-5)
 
 
 def test_packed_linear_picks_the_form_by_rows() -> None:
@@ -105,7 +107,9 @@ def test_packed_linear_picks_the_form_by_rows() -> None:
         torch.testing.assert_close(out, expected[:rows], rtol=3e-2, atol=3e-2 * expected.abs().max().item())
     only = pack_linear(tensor, PackThresholds.always_packed())
     assert isinstance(only, PackedLinear) and only.dense is None and only.form_for(10_000) == "int4"
-    assert pack_linear(_ggml(QType.Q8_0, 32, 64)[0]).form == "int8"
+    head = pack_linear(_ggml(QType.Q8_0, 32, 64)[0], PackThresholds(q8_max_rows=2), dense_dtype=torch.float32)
+    assert isinstance(head, PackedLinear) and [head.form_for(r) for r in (2, 3)] == ["q8_0", "float32"]
+    assert head(x).dtype == torch.float32
 
 
 def test_q8_embedding_rows_are_exact() -> None:
@@ -120,7 +124,8 @@ def test_row_permutation_and_fusion_on_raw_blocks_are_exact() -> None:
     order = np.random.default_rng(0).permutation(16)
     assert torch.equal(a.take_rows(order).dequantize(), torch.from_numpy(ref_a[order]))
     joined = GGMLTensor.concat([a, b])
-    assert joined is not None and torch.equal(joined.dequantize(), torch.from_numpy(np.concatenate([ref_a, ref_b])))
+    assert joined is not None
+    assert torch.equal(joined.dequantize(), torch.from_numpy(np.concatenate([ref_a, ref_b])))
     assert GGMLTensor.concat([a, _ggml(QType.Q8_0, 16, 64)[0]]) is None
 
 
@@ -135,7 +140,8 @@ def test_kept_quantized_gguf_runs_close_to_its_dequantized_model(tiny_model_dir:
         value = kept.weights[name]
         assert torch.equal(value.dequantize() if isinstance(value, GGMLTensor) else value, tensor), name
     reference = LlamaModel.from_weights(dense.config, dense.weights)
-    prompt = torch.randint(dense.config.vocab_size, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(dense.config.vocab_size, (24,), generator=gen).tolist()
     expected = PagedHarness(reference, block_size=8).step([(Sequence(prompt), 24)])[0]
     for thresholds in (PackThresholds(), PackThresholds.always_packed()):
         model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True, thresholds=thresholds)

@@ -2,7 +2,7 @@
 
 One forward takes a flat batch mixing prefill chunks and decode tokens of different requests and
 returns logits only for the tokens that will be sampled. Weights are held as plain tensors or, for a
-quantized GGUF, as packed int4 / int8 forms (`model/quantized.py`), Q/K/V and gate/up fused into one
+quantized GGUF, as packed int4 / Q8_0 forms (`model/quantized.py`), Q/K/V and gate/up fused into one
 matrix each, so a layer is a handful of large GEMMs and little Python.
 """
 
@@ -76,7 +76,8 @@ class LMHead:
     def __init__(self, weight: Weight) -> None:
         self.weight = weight
         self._packed: torch.Tensor | None = None
-        if isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        if (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.float32
+                and torch.backends.mkldnn.is_available()):
             self._packed = weight.to_mkldnn()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -145,7 +146,7 @@ class LlamaModel:
         `dtype` is the activations' and the KV cache's; `weight_dtype` (default: the same) is the
         projection matrices' (e.g. bf16 weights halve the bytes a decode step streams, while the
         residual stream, norms, attention and KV cache stay in `dtype`). With `quantized` (CPU only),
-        `GGMLTensor` projections run packed (int4 / int8) for small batches and in bf16 for large ones.
+        `GGMLTensor` projections run packed (int4 / Q8_0) for small batches and in bf16 for large ones.
         Weights are converted one tensor at a time: the whole model never exists in float32 unless asked.
         """
         matrix_dtype = weight_dtype or dtype
@@ -184,13 +185,20 @@ class LlamaModel:
             ))
         embed_raw = raw("model.embed_tokens.weight")
         embed: torch.Tensor | QuantizedEmbedding
-        if isinstance(embed_raw, GGMLTensor) and embed_raw.tensor_type == QType.Q8_0 and dtype == torch.float32:
+        q8_embed = isinstance(embed_raw, GGMLTensor) and embed_raw.tensor_type == QType.Q8_0
+        if q8_embed and dtype == torch.float32:
             embed = QuantizedEmbedding(embed_raw)  # rows dequantized at lookup: exact, 4x fewer bytes
         else:
             embed = take("model.embed_tokens.weight").contiguous()
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        lm_head = fuse(["model.embed_tokens.weight" if tied else "lm_head.weight"])
-        if tied and matrix_dtype == dtype and isinstance(embed, torch.Tensor) and isinstance(lm_head, torch.Tensor):
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        head_raw = raw(head_name)
+        if quantized and isinstance(head_raw, GGMLTensor):
+            # Logits in fp32: bf16 logits (steps of 1/8 near |20|) cost ~1% of greedy top-1 agreement.
+            lm_head = pack_linear(head_raw, thresholds, dense_dtype=torch.float32)
+        else:
+            lm_head = take(head_name, matrix_dtype).contiguous()
+        if tied and matrix_dtype == dtype and isinstance(embed, torch.Tensor) and not quantized:
             lm_head = embed  # one copy serves both
         inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
                                             weights.get("rope_freqs"))
@@ -198,7 +206,7 @@ class LlamaModel:
         return cls(config, embed, layers, take("model.norm.weight"), lm_head, inv_freq, positions, use_cpu_kernels)
 
     def weight_form(self, rows: int) -> str:
-        """The form the layers' projections run in for a step of `rows` tokens (int4, int8, bfloat16, ...)."""
+        """The form the layers' projections run in for a step of `rows` tokens (int4, q8_0, bfloat16, ...)."""
         gate_up = self.layers[0].gate_up if self.layers else None
         if isinstance(gate_up, PackedLinear):
             return gate_up.form_for(rows)

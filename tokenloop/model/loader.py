@@ -58,7 +58,8 @@ class Checkpoint:
     @property
     def is_quantized(self) -> bool:
         """Whether some weights are held in a quantized ggml encoding."""
-        return any(isinstance(w, GGMLTensor) and w.tensor_type not in _FLOAT_TYPES for w in self.weights.values())
+        return any(isinstance(w, GGMLTensor) and w.tensor_type not in _FLOAT_TYPES
+                   for w in self.weights.values())
 
 
 def resolve_model_path(model: str) -> Path:

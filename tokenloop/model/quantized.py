@@ -8,8 +8,8 @@ Q/K permutation undone, Q/K/V and gate/up fused) work on the raw rows, so no flo
   ggml's `w = d * q + m` over 32 values is torch's `(q - 8) * scale + zero` with scale = d and
   zero = m + 8 d (Q4_0: m = -8 d, so zero = 0). The 4-bit codes are kept bit for bit; d and zero are
   rounded to bf16, the only scale type the kernel takes.
-- Q8_0 -> int8 weight-only (`aten._weight_int8pack_mm`), whose scales are per row: the per-block codes are
-  requantized to one scale per row (the nearest form torch runs; ~8-bit precision still).
+- Q8_0 -> its own int8 codes and per-block scales, multiplied by our C++ kernel in float32 (torch's
+  int8 weight-only kernel wants one scale per row and returns bf16: both cost greedy agreement).
 - anything else -> a dense bf16 matrix, dequantized one tensor at a time.
 
 Small batches are bandwidth-bound and want the fewest bytes; large ones are compute-bound and run faster
@@ -25,6 +25,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from tokenloop.model.cpu_kernels import paged_decode_kernels
+
 GROUP_SIZE = 32  # ggml's Q4/Q8 block length, and the int4 kernel's group size
 
 
@@ -33,11 +35,11 @@ class PackThresholds:
     """Most rows a call may have and still run the packed kernel when a bf16 copy exists.
 
     Measured on the 2-core AVX512-BF16 EPYC (BENCHMARKS.md): torch's int4 kernel beats bf16 up to ~16-24
-    rows, its int8 kernel only up to ~4. `always_packed()` never uses the copy (tests, least memory).
+    rows, our Q8_0 kernel beats fp32 up to ~8. `always_packed()` never uses the copy (tests, least memory).
     """
 
     int4_max_rows: int = 16
-    int8_max_rows: int = 4
+    q8_max_rows: int = 8
     keep_dense: bool = True
 
     @classmethod
@@ -56,7 +58,8 @@ class GGMLTensor:
     blocks: np.ndarray  # uint8 [rows, row_bytes]; may be a read-only view of the mapped file
 
     @classmethod
-    def from_raw(cls, tensor_type: GGMLQuantizationType, shape: tuple[int, ...], raw: np.ndarray) -> GGMLTensor:
+    def from_raw(cls, tensor_type: GGMLQuantizationType, shape: tuple[int, ...],
+                 raw: np.ndarray) -> GGMLTensor:
         """Wrap a tensor's raw bytes (any leading dimensions fold into rows)."""
         rows = int(np.prod(shape[:-1]))
         return cls(tensor_type, (rows, int(shape[-1])), raw.reshape(rows, -1))
@@ -87,7 +90,8 @@ class GGMLTensor:
             else:
                 codes, d, m = self.q4_codes()
             rows, cols = self.shape
-            grouped = torch.from_numpy(codes).view(rows, -1, GROUP_SIZE).float() * torch.from_numpy(d)[..., None]
+            grouped = torch.from_numpy(codes).view(rows, -1, GROUP_SIZE).float()
+            grouped *= torch.from_numpy(d)[..., None]
             if m is not None:
                 grouped += torch.from_numpy(m)[..., None]
             return grouped.view(rows, cols).to(dtype)
@@ -132,7 +136,8 @@ def ggml_row_bytes(tensor_type: GGMLQuantizationType, columns: int) -> int:
 
 @dataclass
 class Int4Weight:
-    """torch's CPU int4 layout: `packed` [N_pad, K_pad / 2] uint8, `scales_zeros` [K_pad / 32, N_pad, 2] bf16."""
+    """torch's CPU int4 layout: `packed` [N_pad, K_pad / 2] uint8, `scales_zeros` [K_pad / 32, N_pad, 2]
+    bf16."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
@@ -210,29 +215,39 @@ class Int4Weight:
 
 
 @dataclass
-class Int8Weight:
-    """int8 weight-only with one bf16 scale per output row (`aten._weight_int8pack_mm`)."""
+class Q8Weight:
+    """Q8_0 as the file has it: int8 codes [N, K] and float32 scales [N, K / 32], multiplied by a C++ kernel
+    with float32 activations and float32 output (csrc/q8_0_matmul.cpp)."""
 
-    codes: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N] bf16
+    codes: torch.Tensor
+    scales: torch.Tensor
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Weight:
-        """Symmetric per-row int8 of a float matrix [N, K]."""
-        weight = weight.float()
-        scales = (weight.abs().amax(dim=1) / 127).clamp_min(1e-12).to(torch.bfloat16)
-        codes = (weight / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-        return cls(codes.contiguous(), scales)
+    def from_q8(cls, tensor: GGMLTensor) -> Q8Weight:
+        codes, d = tensor.q8_codes()
+        return cls(torch.from_numpy(codes), torch.from_numpy(d))
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 2
+        return self.codes.numel() + self.scales.numel() * 4
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.codes, self.scales)
+        """x [M, K] -> x @ W.T [M, N] in float32."""
+        x = x.float().contiguous()
+        out = torch.empty(x.shape[0], self.codes.shape[0], dtype=torch.float32)
+        kernel = paged_decode_kernels()
+        if kernel is not None:
+            kernel.q8_0_matmul(x, self.codes, self.scales, out)
+            return out
+        for start in range(0, self.codes.shape[0], 4096):  # no compiler: dequantize a slice at a time
+            rows = slice(start, start + 4096)
+            out[:, rows] = x @ self.dequantize(rows).t()
+        return out
 
-    def dequantize(self) -> torch.Tensor:
-        return self.codes.float() * self.scales.float()[:, None]
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        codes = self.codes[rows]
+        grouped = codes.view(codes.shape[0], -1, GROUP_SIZE).float() * self.scales[rows].unsqueeze(-1)
+        return grouped.view(codes.shape)
 
 
 @dataclass
@@ -240,45 +255,50 @@ class PackedLinear:
     """One projection held as a packed quantized form, optionally with a dense copy for large batches.
 
     Calls with at most `packed_max_rows` rows (or all calls, without a dense copy) run the packed kernel.
+    The dense copy is bf16, or an fp32 oneDNN-packed matrix where bf16 output is too coarse (the logits).
     """
 
-    packed: Int4Weight | Int8Weight
-    dense: torch.Tensor | None  # [N, K] bf16, or None to save the memory
+    packed: Int4Weight | Q8Weight
+    dense: torch.Tensor | None
     packed_max_rows: int
 
     @property
     def form(self) -> str:
-        return "int4" if isinstance(self.packed, Int4Weight) else "int8"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype activations are multiplied in."""
-        return torch.bfloat16
+        return "int4" if isinstance(self.packed, Int4Weight) else "q8_0"
 
     def form_for(self, rows: int) -> str:
         """Which form a call with `rows` rows runs."""
-        return self.form if self.dense is None or rows <= self.packed_max_rows else "bfloat16"
+        if self.dense is None or rows <= self.packed_max_rows:
+            return self.form
+        return "float32" if self.dense.is_mkldnn else str(self.dense.dtype).removeprefix("torch.")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (any float dtype) -> x @ W.T in x's dtype."""
         if self.dense is None or x.shape[0] <= self.packed_max_rows:
             return self.packed.matmul(x).to(x.dtype)
+        if self.dense.is_mkldnn:
+            dense_x = x.float().contiguous().to_mkldnn()
+            return torch._C._nn.mkldnn_linear(dense_x, self.dense, None).to_dense().to(x.dtype)
         return torch.nn.functional.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
 
 
 def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = PackThresholds(),
-                ) -> PackedLinear | torch.Tensor:
-    """The fastest kept form of one projection: packed int4 / int8 (+ bf16 for large batches), or bf16
-    alone where no packed kernel fits the encoding."""
+                dense_dtype: torch.dtype = torch.bfloat16) -> PackedLinear | torch.Tensor:
+    """The fastest kept form of one projection: packed int4 / Q8_0 (+ a dense copy in `dense_dtype` for
+    large batches), or the dense matrix alone where no packed kernel fits the encoding."""
     if isinstance(weight, GGMLTensor) and weight.tensor_type in (QType.Q4_0, QType.Q4_1):
-        packed: Int4Weight | Int8Weight = Int4Weight.from_q4(weight)
+        packed: Int4Weight | Q8Weight = Int4Weight.from_q4(weight)
         max_rows = thresholds.int4_max_rows
     elif isinstance(weight, GGMLTensor) and weight.tensor_type == QType.Q8_0:
-        packed = Int8Weight.quantize(weight.dequantize())
-        max_rows = thresholds.int8_max_rows
+        packed = Q8Weight.from_q8(weight)
+        max_rows = thresholds.q8_max_rows
     else:
-        return dense_weight(weight, torch.bfloat16)
-    dense = dense_weight(weight, torch.bfloat16) if thresholds.keep_dense else None
+        return dense_weight(weight, dense_dtype)
+    dense = None
+    if thresholds.keep_dense:
+        dense = dense_weight(weight, dense_dtype)
+        if dense_dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            dense = dense.to_mkldnn()  # ~1.4-2x faster than plain fp32 GEMMs here at 8-32 rows
     return PackedLinear(packed, dense, max_rows)
 
 
