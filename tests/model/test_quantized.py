@@ -115,7 +115,8 @@ def test_packed_linear_picks_the_form_by_rows() -> None:
 def test_q8_embedding_rows_are_exact() -> None:
     tensor, reference = _ggml(QType.Q8_0, 50, 64)
     ids = torch.tensor([3, 0, 49, 3])
-    assert torch.equal(QuantizedEmbedding(tensor).index_select(0, ids), torch.from_numpy(reference)[ids])
+    embedding = QuantizedEmbedding(Q8Weight.from_q8(tensor))
+    assert torch.equal(embedding.index_select(0, ids), torch.from_numpy(reference)[ids])
 
 
 def test_row_permutation_and_fusion_on_raw_blocks_are_exact() -> None:

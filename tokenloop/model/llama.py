@@ -18,8 +18,8 @@ from tokenloop.config import ModelConfig, RopeScaling
 from tokenloop.errors import ModelLoadError
 from tokenloop.model.attention import AttentionMetadata, paged_attention
 from tokenloop.model.cpu_kernels import paged_decode_kernels
-from tokenloop.model.quantized import (GGMLTensor, PackedLinear, PackThresholds, QType, QuantizedEmbedding,
-                                       dense_weight, pack_linear)
+from tokenloop.model.quantized import (GGMLTensor, PackedLinear, PackThresholds, Q8Weight, QType,
+                                       QuantizedEmbedding, dense_weight, pack_linear)
 
 Weight = torch.Tensor | PackedLinear  # a projection matrix in whichever form it runs
 
@@ -183,21 +183,23 @@ class LlamaModel:
                 gate_up=fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=fuse([p + "mlp.down_proj.weight"]),
             ))
-        embed_raw = raw("model.embed_tokens.weight")
-        embed: torch.Tensor | QuantizedEmbedding
-        q8_embed = isinstance(embed_raw, GGMLTensor) and embed_raw.tensor_type == QType.Q8_0
-        if q8_embed and dtype == torch.float32:
-            embed = QuantizedEmbedding(embed_raw)  # rows dequantized at lookup: exact, 4x fewer bytes
-        else:
-            embed = take("model.embed_tokens.weight").contiguous()
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         head_raw = raw(head_name)
+        lm_head: Weight
         if quantized and isinstance(head_raw, GGMLTensor):
             # Logits in fp32: bf16 logits (steps of 1/8 near |20|) cost ~1% of greedy top-1 agreement.
             lm_head = pack_linear(head_raw, thresholds, dense_dtype=torch.float32)
         else:
             lm_head = take(head_name, matrix_dtype).contiguous()
+        embed_raw = raw("model.embed_tokens.weight")
+        embed: torch.Tensor | QuantizedEmbedding
+        if tied and isinstance(lm_head, PackedLinear) and isinstance(lm_head.packed, Q8Weight):
+            embed = QuantizedEmbedding(lm_head.packed)
+        elif quantized and isinstance(embed_raw, GGMLTensor) and embed_raw.tensor_type == QType.Q8_0:
+            embed = QuantizedEmbedding(Q8Weight.from_q8(embed_raw))  # rows dequantized at lookup: exact
+        else:
+            embed = take("model.embed_tokens.weight").contiguous()
         if tied and matrix_dtype == dtype and isinstance(embed, torch.Tensor) and not quantized:
             lm_head = embed  # one copy serves both
         inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,

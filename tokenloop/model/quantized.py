@@ -312,11 +312,10 @@ def dense_weight(weight: GGMLTensor | torch.Tensor, dtype: torch.dtype) -> torch
 class QuantizedEmbedding:
     """Token embedding rows looked up from Q8_0 codes (exact: an int8 code times an fp16 scale fits fp32)."""
 
-    def __init__(self, weight: GGMLTensor) -> None:
-        codes, d = weight.q8_codes()
-        self.codes = torch.from_numpy(codes)
-        self.scales = torch.from_numpy(d)
-        self.shape = weight.shape
+    def __init__(self, weight: Q8Weight) -> None:
+        self.codes = weight.codes  # shared with a tied LM head's Q8Weight: one copy serves both
+        self.scales = weight.scales
+        self.shape = tuple(weight.codes.shape)
 
     def index_select(self, dim: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [T, hidden], like `Tensor.index_select(0, ids)`."""
