@@ -120,8 +120,8 @@ def build_form(checkpoint, form: str) -> tuple[LlamaModel, str]:  # noqa: ANN001
     dtype, weight_dtype = FORMS[form]
     choice = resolve_dtype(dtype, weight_dtype, "cpu", checkpoint.is_quantized, CpuFeatures.detect())
     if form == "packed":
-        model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights, max_positions=4096, quantized=True,
-                                        thresholds=PackThresholds.always_packed())
+        model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights, max_positions=4096,
+                                        quantized=True, thresholds=PackThresholds.always_packed())
         return model, "activations and KV cache float32, weights packed int4 / Q8_0 at every batch size"
     return build_model(checkpoint.config, checkpoint.weights, choice, "cpu", 4096), choice.describe()
 
@@ -143,7 +143,8 @@ def ready_probe(model_name: str, form: str, kv_bytes: int) -> None:
     ready = time.perf_counter() - start
     kv_mb = sum(k.nbytes + v.nbytes for k, v in kv) / 2**20
     # The engine keeps its checkpoint (the file stays mapped), so the probe does too.
-    print(json.dumps({"ready_s": ready, "rss_mb": rss_mb(), "kv_mb": kv_mb, "weights": len(checkpoint.weights)}))
+    print(json.dumps({"ready_s": ready, "rss_mb": rss_mb(), "kv_mb": kv_mb,
+                      "weights": len(checkpoint.weights)}))
 
 
 def main() -> None:
@@ -178,8 +179,8 @@ def main() -> None:
                                     "--kv-cache-memory", str(args.kv_cache_memory)],
                                    capture_output=True, text=True, check=True)
             result = json.loads(probe.stdout.strip().splitlines()[-1])
-            print(f"{form}: ready {result['ready_s']:.2f} s (load + pack + {result['kv_mb']:.0f} MiB KV pool), "
-                  f"RSS {result['rss_mb']:.0f} MiB")
+            print(f"{form}: ready {result['ready_s']:.2f} s (load + pack + {result['kv_mb']:.0f} MiB KV "
+                  f"pool), RSS {result['rss_mb']:.0f} MiB")
     checkpoint = load_checkpoint(args.model, keep_quantized=True)
     models = {}
     for form in forms:
@@ -195,7 +196,8 @@ def main() -> None:
     header = "".join(f"{form + ' tok/s':>14}" for form in forms)
     print(f"{'case':<20}{header}{'HF tok/s':>12}  forms that ran")
     with torch.inference_mode():
-        cases = [(f"decode batch {b}", int(b)) for b in args.batches.split(",")] + [(f"prefill {args.prefill}", 0)]
+        cases = [(f"decode batch {b}", int(b)) for b in args.batches.split(",")]
+        cases.append((f"prefill {args.prefill}", 0))
         for name, batch in cases:
             speeds, ran = [], []
             for form in forms:  # interleaved per case: the machine's noise hits every form alike

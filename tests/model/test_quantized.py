@@ -148,3 +148,13 @@ def test_kept_quantized_gguf_runs_close_to_its_dequantized_model(tiny_model_dir:
         model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True, thresholds=thresholds)
         got = PagedHarness(model, block_size=8).step([(Sequence(prompt), 24)])[0]
         assert torch.linalg.vector_norm(got - expected) / torch.linalg.vector_norm(expected) < 3e-2
+
+
+def test_packed_weights_with_bf16_activations(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """dtype bfloat16 + weight_dtype quantized: the residual stream stays bf16 (no fp32 embedding rows)."""
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", QType.Q8_0)
+    kept = load_checkpoint(str(path), keep_quantized=True)
+    model = LlamaModel.from_weights(kept.config, kept.weights, dtype=torch.bfloat16, quantized=True)
+    prompt = list(range(1, 20))
+    logits = PagedHarness(model, block_size=8).step([(Sequence(prompt), len(prompt))])[0]
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()

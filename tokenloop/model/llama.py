@@ -194,9 +194,10 @@ class LlamaModel:
             lm_head = take(head_name, matrix_dtype).contiguous()
         embed_raw = raw("model.embed_tokens.weight")
         embed: torch.Tensor | QuantizedEmbedding
-        if tied and isinstance(lm_head, PackedLinear) and isinstance(lm_head.packed, Q8Weight):
+        fp32 = dtype == torch.float32  # the quantized lookup yields fp32 rows
+        if fp32 and tied and isinstance(lm_head, PackedLinear) and isinstance(lm_head.packed, Q8Weight):
             embed = QuantizedEmbedding(lm_head.packed)
-        elif quantized and isinstance(embed_raw, GGMLTensor) and embed_raw.tensor_type == QType.Q8_0:
+        elif fp32 and quantized and isinstance(embed_raw, GGMLTensor) and embed_raw.tensor_type == QType.Q8_0:
             embed = QuantizedEmbedding(Q8Weight.from_q8(embed_raw))  # rows dequantized at lookup: exact
         else:
             embed = take("model.embed_tokens.weight").contiguous()

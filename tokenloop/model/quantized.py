@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenloop.model.cpu_kernels import paged_decode_kernels
@@ -125,11 +125,6 @@ class GGMLTensor:
         d = block[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         codes = block[..., 2:].copy().view(np.int8).reshape(rows, cols)
         return codes, d
-
-
-def ggml_row_bytes(tensor_type: GGMLQuantizationType, columns: int) -> int:
-    block_elems, block_bytes = GGML_QUANT_SIZES[tensor_type]
-    return columns // block_elems * block_bytes
 
 
 # -- packed forms ---------------------------------------------------------------------------------
