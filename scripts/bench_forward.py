@@ -1,21 +1,29 @@
 """Forward throughput of the default model: decode at batch 1, 8, 32 and a 512-token prefill.
 
-Side by side with HF transformers (same GGUF, fp32) in the same run, since this machine is noisy.
-Usage: python scripts/bench_forward.py [--context 128] [--steps 8] [--no-hf]
+tokenloop's forms side by side in one run, since this machine is noisy: fp32, bf16 weights, and the
+default `auto` (on a quantized GGUF and a CPU with AVX512-BF16: the packed int4 / Q8_0 weights for small
+batches, bf16 for large ones), with HF transformers (same GGUF, fp32) as a baseline. Each form's time to
+ready (load, pack, KV pool) and resident memory are measured in a fresh process.
+Usage: python scripts/bench_forward.py [--forms fp32,bf16,auto] [--context 128] [--steps 8] [--no-hf]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
+import subprocess
+import sys
 import time
 from typing import Callable
 
 import torch
 
 from tokenloop.model.attention import AttentionMetadata
+from tokenloop.model.dtypes import CpuFeatures, build_model, resolve_dtype
 from tokenloop.model.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint, resolve_model_path
+from tokenloop.model.quantized import PackThresholds
 
 
 def _best_of(fn, repeats: int) -> float:
@@ -99,6 +107,46 @@ def hf_prefill(hf, length: int, repeats: int) -> float:
     return length / _best_of(lambda: hf(ids, use_cache=False, logits_to_keep=1), repeats)
 
 
+FORMS = {  # name -> (activations, weights) as EngineConfig spells them
+    "fp32": ("float32", "float32"),
+    "bf16": ("float32", "bfloat16"),
+    "auto": ("auto", None),
+    "packed": ("float32", "quantized"),  # the packed kernels at every batch size (no dense copy)
+}
+
+
+def build_form(checkpoint, form: str) -> tuple[LlamaModel, str]:  # noqa: ANN001 - a Checkpoint
+    """The model as the engine would build it for `form`, and the resolved choice in words."""
+    dtype, weight_dtype = FORMS[form]
+    choice = resolve_dtype(dtype, weight_dtype, "cpu", checkpoint.is_quantized, CpuFeatures.detect())
+    if form == "packed":
+        model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights, max_positions=4096,
+                                        quantized=True, thresholds=PackThresholds.always_packed())
+        return model, "activations and KV cache float32, weights packed int4 / Q8_0 at every batch size"
+    return build_model(checkpoint.config, checkpoint.weights, choice, "cpu", 4096), choice.describe()
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def ready_probe(model_name: str, form: str, kv_bytes: int) -> None:
+    """In a fresh process: load, build, allocate the KV pool as the engine does; print JSON."""
+    start = time.perf_counter()
+    checkpoint = load_checkpoint(model_name, keep_quantized=True)
+    model, _ = build_form(checkpoint, form)
+    kv = model.allocate_kv_cache(max(1, kv_bytes // model.kv_bytes_per_block(16)), 16)
+    ready = time.perf_counter() - start
+    kv_mb = sum(k.nbytes + v.nbytes for k, v in kv) / 2**20
+    # The engine keeps its checkpoint (the file stays mapped), so the probe does too.
+    print(json.dumps({"ready_s": ready, "rss_mb": rss_mb(), "kv_mb": kv_mb,
+                      "weights": len(checkpoint.weights)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -107,42 +155,66 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--forms", default="fp32,bf16,auto",
+                        help="tokenloop forms, side by side: fp32, bf16 (weights), auto (the default dtype), "
+                             "packed (int4 / Q8_0 at every batch size)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="tokenloop's activations and KV cache (HF always runs float32)")
-    parser.add_argument("--weight-dtype", default=None, choices=["float32", "bfloat16"],
-                        help="tokenloop's projection weights (default: --dtype)")
+    parser.add_argument("--no-ready", action="store_true", help="skip the time-to-ready / RSS probes")
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV pool of the ready probes")
+    parser.add_argument("--ready-probe", choices=list(FORMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ready_probe:
+        ready_probe(args.model, args.ready_probe, args.kv_cache_memory)
+        return
     torch.manual_seed(0)
+    forms = args.forms.split(",")
 
-    start = time.perf_counter()
-    checkpoint = load_checkpoint(args.model)
-    load_s = time.perf_counter() - start
-    model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights, dtype=getattr(torch, args.dtype),
-                                    weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None)
-    ready_s = time.perf_counter() - start
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {CpuFeatures.detect()}")
+    path = resolve_model_path(args.model)
+    print(f"model file: {path.name}, {path.stat().st_size / 2**20:.1f} MiB")
+    if not args.no_ready:  # each in a fresh process, so that RSS is the form's own
+        for form in forms:
+            probe = subprocess.run([sys.executable, __file__, "--model", args.model, "--ready-probe", form,
+                                    "--kv-cache-memory", str(args.kv_cache_memory)],
+                                   capture_output=True, text=True, check=True)
+            result = json.loads(probe.stdout.strip().splitlines()[-1])
+            print(f"{form}: ready {result['ready_s']:.2f} s (load + pack + {result['kv_mb']:.0f} MiB KV "
+                  f"pool), RSS {result['rss_mb']:.0f} MiB")
+    checkpoint = load_checkpoint(args.model, keep_quantized=True)
+    models = {}
+    for form in forms:
+        models[form], described = build_form(checkpoint, form)
+        print(f"{form}: {described}")
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        path = resolve_model_path(args.model)
         hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         hf.eval()
 
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}); tokenloop dtype {args.dtype}, weights {args.weight_dtype or args.dtype}")
-    print(f"tokenloop load (config + weights + tokenizer): {load_s:.2f} s; model ready: {ready_s:.2f} s "
-          f"(includes building the C++ decode kernel on a machine's first run: "
-          f"{'on' if model.decode_kernel is not None else 'off'})")
-    print(f"{'case':<24}{'tokenloop tok/s':>16}{'HF tok/s':>12}")
+    header = "".join(f"{form + ' tok/s':>14}" for form in forms)
+    print(f"{'case':<20}{header}{'HF tok/s':>12}  forms that ran")
     with torch.inference_mode():
-        for batch in [int(b) for b in args.batches.split(",")]:
-            ours = tokenloop_decode(model, batch, args.context, args.steps, args.repeats)
-            theirs = hf_decode(hf, batch, args.context, args.steps, args.repeats) if hf else float("nan")
-            print(f"{f'decode batch {batch}':<24}{ours:>16.1f}{theirs:>12.1f}", flush=True)
-        ours = tokenloop_prefill(model, args.prefill, args.repeats)
-        theirs = hf_prefill(hf, args.prefill, args.repeats) if hf else float("nan")
-        print(f"{f'prefill {args.prefill}':<24}{ours:>16.1f}{theirs:>12.1f}", flush=True)
+        cases = [(f"decode batch {b}", int(b)) for b in args.batches.split(",")]
+        cases.append((f"prefill {args.prefill}", 0))
+        for name, batch in cases:
+            speeds, ran = [], []
+            for form in forms:  # interleaved per case: the machine's noise hits every form alike
+                model = models[form]
+                if batch:
+                    speeds.append(tokenloop_decode(model, batch, args.context, args.steps, args.repeats))
+                else:
+                    speeds.append(tokenloop_prefill(model, args.prefill, args.repeats))
+                ran.append(model.last_weight_form)
+            if hf is None:
+                theirs = float("nan")
+            elif batch:
+                theirs = hf_decode(hf, batch, args.context, args.steps, args.repeats)
+            else:
+                theirs = hf_prefill(hf, args.prefill, args.repeats)
+            row = "".join(f"{speed:>14.1f}" for speed in speeds)
+            print(f"{name:<20}{row}{theirs:>12.1f}  {' / '.join(ran)}", flush=True)
 
 
 if __name__ == "__main__":

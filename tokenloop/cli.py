@@ -57,11 +57,14 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=_positive_int, help="context length (default: the model's)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     group.add_argument("--seed", type=int, help="seed of unseeded sampling")
-    group.add_argument("--dtype", choices=["float32", "bfloat16"],
-                       help="activations and KV cache (default float32)")
-    group.add_argument("--weight-dtype", choices=["float32", "bfloat16"],
-                       help="projection weights (default: --dtype); bfloat16 halves the bytes each step streams "
-                            "and is much faster on CPUs with AVX512-BF16, at bf16 weight precision")
+    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                       help="activations and KV cache (default auto: float32 activations, and weights in the "
+                            "fastest form this CPU runs: a quantized GGUF's packed int4 / Q8_0 blocks, or bf16, "
+                            "where it has AVX512-BF16 or AMX; float32 otherwise)")
+    group.add_argument("--weight-dtype", choices=["float32", "bfloat16", "quantized"],
+                       help="projection weights (default: --dtype, or chosen by auto); bfloat16 halves the bytes "
+                            "each step streams; quantized keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks packed for the "
+                            "CPU int4 / Q8_0 kernels (bf16 for large batches)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -90,9 +93,9 @@ def _load_engine(args: argparse.Namespace):  # noqa: ANN202 - LLMEngine, importe
     # The dashboard and /v1/trace read the tracer; iterations are always recorded, requests sampled.
     tracer = Tracer(sample_rate=sample_rate) if getattr(args, "command", None) == "serve" and not args.no_trace else None
     engine = LLMEngine(config, tracer=tracer)
-    logger.info("loaded %s in %.1f s: max_model_len=%d, %d KV blocks of %d tokens, policy=%s", args.model,
+    logger.info("loaded %s in %.1f s: max_model_len=%d, %d KV blocks of %d tokens, policy=%s; %s", args.model,
                 time.perf_counter() - begin, engine.max_model_len, engine.kv_cache.num_blocks,
-                config.cache.block_size, config.scheduler.policy)
+                config.cache.block_size, config.scheduler.policy, engine.dtype_choice.describe())
     return engine
 
 

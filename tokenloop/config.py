@@ -130,17 +130,21 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     device: str = "cpu"
-    dtype: str = "float32"  # activations and KV cache
-    weight_dtype: str | None = None  # projection matrices; None: same as dtype
+    # Activations and KV cache; "auto" resolves per CPU and checkpoint (tokenloop/model/dtypes.py):
+    # fp32 activations with packed quantized or bf16 weights where the CPU has native bf16.
+    dtype: str = "auto"
+    # Projection matrices: float32 / float16 / bfloat16, or "quantized" (a GGUF's blocks packed for the CPU
+    # int4 / Q8_0 kernels, with a dense copy for large batches); None: same as dtype, or chosen by "auto".
+    weight_dtype: str | None = None
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("float32", "float16", "bfloat16"),
-                 f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
-        _require(self.weight_dtype in (None, "float32", "float16", "bfloat16"),
-                 f"weight_dtype must be float32, float16 or bfloat16, got {self.weight_dtype!r}")
+        _require(self.dtype in ("auto", "float32", "float16", "bfloat16"),
+                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        _require(self.weight_dtype in (None, "float32", "float16", "bfloat16", "quantized"),
+                 f"weight_dtype must be float32, float16, bfloat16 or quantized, got {self.weight_dtype!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be > 0, got {self.max_model_len}")

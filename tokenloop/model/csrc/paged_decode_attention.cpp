@@ -87,6 +87,11 @@ void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key
   });
 }
 
+// q8_0_matmul.cpp
+void q8_0_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                 torch::Tensor& out);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
+  m.def("q8_0_matmul", &q8_0_matmul, "x @ W.T for Q8_0 weights, float32 in and out");
 }

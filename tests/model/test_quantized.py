@@ -1,0 +1,160 @@
+"""Packed quantized weights: exact unpacking, GEMMs against dequantized fp32, form choice per batch size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize, quantize
+
+from tests.model.paged_harness import PagedHarness, Sequence
+from tests.model.test_loader import write_tiny_gguf
+from tokenloop.model.llama import LlamaModel
+from tokenloop.model.loader import load_checkpoint
+from tokenloop.model.quantized import (GGMLTensor, Int4Weight, PackedLinear, PackThresholds, Q8Weight,
+                                       QuantizedEmbedding, pack_linear)
+
+
+def _ggml(tensor_type: QType, rows: int, cols: int, seed: int = 0) -> tuple[GGMLTensor, np.ndarray]:
+    """A random matrix quantized by gguf's reference quantizer, and its reference dequantization."""
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2.0, (rows, 1))).astype(np.float32)
+    values[:, :32] += 0.5  # some blocks far from zero-centred, so Q4_1's minimum matters
+    blocks = quantize(values, tensor_type)
+    tensor = GGMLTensor(tensor_type, (rows, cols), blocks.reshape(rows, -1))
+    return tensor, dequantize(blocks, tensor_type).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("tensor_type", [QType.Q4_0, QType.Q4_1, QType.Q8_0])
+def test_ggml_dequantize_is_bit_exact(tensor_type: QType) -> None:
+    tensor, reference = _ggml(tensor_type, 40, 96)
+    assert torch.equal(tensor.dequantize(), torch.from_numpy(reference))
+
+
+@pytest.mark.parametrize("tensor_type", [QType.Q4_0, QType.Q4_1])
+@pytest.mark.parametrize("rows", [16, 40])  # 40: not a multiple of the packing's 16 rows
+def test_int4_pack_keeps_codes_bit_exact(tensor_type: QType, rows: int) -> None:
+    tensor, reference = _ggml(tensor_type, rows, 96, seed=rows)
+    codes, d, m = tensor.q4_codes()
+    packed = Int4Weight.from_q4(tensor)
+    got_codes, scale, zero = packed.unpack()
+    assert torch.equal(got_codes, torch.from_numpy(codes).to(torch.int32))  # the 4-bit codes, bit for bit
+    # The kernel's scales are bf16: d and m + 8 d rounded once, nothing else.
+    assert torch.equal(scale, torch.from_numpy(d).bfloat16().float())
+    assert torch.equal(zero, torch.from_numpy(m + 8 * d).bfloat16().float())
+    # ggml's w = d q + m is torch's (q - 8) scale + zero: equal to the reference up to that rounding.
+    weights = packed.dequantize()
+    bound = (torch.from_numpy(np.abs(d) * 16 + np.abs(m)) * 2.0 ** -8).repeat_interleave(32, dim=1)
+    assert ((weights - torch.from_numpy(reference)).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("tensor_type", [QType.Q4_0, QType.Q4_1])
+def test_int4_gemm_of_q4_matches_fp32_reference(tensor_type: QType) -> None:
+    tensor, reference = _ggml(tensor_type, 48, 128, seed=3)
+    packed = Int4Weight.from_q4(tensor)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
+    expected = x @ torch.from_numpy(reference).t()
+    got = packed.matmul(x).float()
+    scale = x.abs().max() * torch.from_numpy(reference).abs().max() * 128 ** 0.5
+    assert (got - expected).abs().max() < 2e-2 * scale
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (33, 40), (64, 100), (20, 192)])  # ragged N and K included
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_int4_gemm_random_shapes(n: int, k: int, rows: int) -> None:
+    gen = torch.Generator().manual_seed(n * 1000 + k + rows)
+    weight = torch.randn(n, k, generator=gen)
+    packed = Int4Weight.quantize(weight)
+    dequantized = packed.dequantize()
+    assert dequantized.shape == (n, k)
+    # 4-bit round-to-nearest: at most half a step (range / 15 / 2) from the original, per group.
+    step = (weight.abs().max() * 2 / 15)
+    assert (dequantized - weight).abs().max() <= step * 0.51 + 1e-2
+    x = torch.randn(rows, k, generator=gen)
+    got = packed.matmul(x).float()
+    assert got.shape == (rows, n)
+    expected = x.bfloat16().float() @ dequantized.t()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9])  # 9: the four-row blocks and the remainder
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_q8_gemm_matches_fp32_reference(rows: int, use_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    tensor, reference = _ggml(QType.Q8_0, 40, 96)
+    if not use_kernel:  # the PyTorch fallback, as without a compiler
+        monkeypatch.setattr("tokenloop.model.quantized.paged_decode_kernels", lambda: None)
+    packed = Q8Weight.from_q8(tensor)
+    assert torch.equal(packed.dequantize(), torch.from_numpy(reference))
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    got = packed.matmul(x)
+    assert got.dtype == torch.float32  # fp32 sums and output: the file's values, no bf16 rounding
+    torch.testing.assert_close(got, x @ torch.from_numpy(reference).t(), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_picks_the_form_by_rows() -> None:
+    tensor, reference = _ggml(QType.Q4_1, 32, 64)
+    linear = pack_linear(tensor, PackThresholds(int4_max_rows=4))
+    assert isinstance(linear, PackedLinear) and linear.dense is not None
+    assert [linear.form_for(r) for r in (1, 4, 5, 64)] == ["int4", "int4", "bfloat16", "bfloat16"]
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    expected = x @ torch.from_numpy(reference).t()
+    for rows in (2, 8):  # packed, then dense: both close to the fp32 reference, in the caller's dtype
+        out = linear(x[:rows])
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, expected[:rows], rtol=3e-2, atol=3e-2 * expected.abs().max().item())
+    only = pack_linear(tensor, PackThresholds.always_packed())
+    assert isinstance(only, PackedLinear) and only.dense is None and only.form_for(10_000) == "int4"
+    head = pack_linear(_ggml(QType.Q8_0, 32, 64)[0], PackThresholds(q8_max_rows=2), dense_dtype=torch.float32)
+    assert isinstance(head, PackedLinear) and [head.form_for(r) for r in (2, 3)] == ["q8_0", "float32"]
+    assert head(x).dtype == torch.float32
+
+
+def test_q8_embedding_rows_are_exact() -> None:
+    tensor, reference = _ggml(QType.Q8_0, 50, 64)
+    ids = torch.tensor([3, 0, 49, 3])
+    embedding = QuantizedEmbedding(Q8Weight.from_q8(tensor))
+    assert torch.equal(embedding.index_select(0, ids), torch.from_numpy(reference)[ids])
+
+
+def test_row_permutation_and_fusion_on_raw_blocks_are_exact() -> None:
+    a, ref_a = _ggml(QType.Q4_1, 16, 64, seed=1)
+    b, ref_b = _ggml(QType.Q4_1, 32, 64, seed=2)
+    order = np.random.default_rng(0).permutation(16)
+    assert torch.equal(a.take_rows(order).dequantize(), torch.from_numpy(ref_a[order]))
+    joined = GGMLTensor.concat([a, b])
+    assert joined is not None
+    assert torch.equal(joined.dequantize(), torch.from_numpy(np.concatenate([ref_a, ref_b])))
+    assert GGMLTensor.concat([a, _ggml(QType.Q8_0, 16, 64)[0]]) is None
+
+
+@pytest.mark.parametrize("tensor_type", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_1])
+def test_kept_quantized_gguf_runs_close_to_its_dequantized_model(tiny_model_dir: Path, tmp_path: Path,
+                                                                 tensor_type: QType) -> None:
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", tensor_type)
+    dense = load_checkpoint(str(path))
+    kept = load_checkpoint(str(path), keep_quantized=True)
+    assert kept.is_quantized and not dense.is_quantized
+    for name, tensor in dense.weights.items():  # the raw-row unpermutation equals the float one, bit for bit
+        value = kept.weights[name]
+        assert torch.equal(value.dequantize() if isinstance(value, GGMLTensor) else value, tensor), name
+    reference = LlamaModel.from_weights(dense.config, dense.weights)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(dense.config.vocab_size, (24,), generator=gen).tolist()
+    expected = PagedHarness(reference, block_size=8).step([(Sequence(prompt), 24)])[0]
+    for thresholds in (PackThresholds(), PackThresholds.always_packed()):
+        model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True, thresholds=thresholds)
+        got = PagedHarness(model, block_size=8).step([(Sequence(prompt), 24)])[0]
+        assert torch.linalg.vector_norm(got - expected) / torch.linalg.vector_norm(expected) < 3e-2
+
+
+def test_packed_weights_with_bf16_activations(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """dtype bfloat16 + weight_dtype quantized: the residual stream stays bf16 (no fp32 embedding rows)."""
+    path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", QType.Q8_0)
+    kept = load_checkpoint(str(path), keep_quantized=True)
+    model = LlamaModel.from_weights(kept.config, kept.weights, dtype=torch.bfloat16, quantized=True)
+    prompt = list(range(1, 20))
+    logits = PagedHarness(model, block_size=8).step([(Sequence(prompt), len(prompt))])[0]
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()

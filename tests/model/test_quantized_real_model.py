@@ -1,0 +1,97 @@
+"""The default Q4_1 model run on its packed weights agrees with the fp32 (dequantized) model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import requires_default_model
+from tests.model.paged_harness import PagedHarness, Sequence
+from tokenloop.model.attention import AttentionMetadata
+from tokenloop.model.llama import LlamaModel
+from tokenloop.model.loader import load_checkpoint
+from tokenloop.model.quantized import PackedLinear, PackThresholds
+
+pytestmark = [requires_default_model, pytest.mark.real_model]
+
+PROMPTS = [
+    "The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
+    "Explain why the sky is blue.", "List three fruits:", "Once upon a time, in a small village,",
+    "The best way to learn a language is", "Translate to French: good morning", "What is 12 times 12?",
+    "A recipe for bread needs", "import numpy as np\n", "The meaning of life is",
+    "Summarise: The cat sat on the mat all day long.", "My favourite season is autumn because",
+    "Name the planets of the solar system.", "How do trains work?", "Dear Sir or Madam,",
+    "The quick brown fox", "Q: Who wrote Hamlet?\nA:", "Three tips for better sleep:",
+]
+NEW_TOKENS = 64
+
+
+def _greedy_batched(model: LlamaModel, prompts: list[list[int]]) -> list[list[int]]:
+    """NEW_TOKENS greedy tokens for every prompt, all decoded together."""
+    harness = PagedHarness(model, num_blocks=512)
+    seqs = [Sequence(list(p)) for p in prompts]
+    logits = harness.step([(s, len(s.token_ids)) for s in seqs])
+    for _ in range(NEW_TOKENS):
+        for seq, row in zip(seqs, logits):
+            seq.token_ids.append(int(row.argmax()))
+        if len(seqs[0].token_ids) - len(prompts[0]) == NEW_TOKENS:
+            break
+        logits = harness.step([(s, 1) for s in seqs])
+    return [s.token_ids[len(p):] for s, p in zip(seqs, prompts)]
+
+
+def _teacher_forced_top1(model: LlamaModel, prompt: list[int], continuation: list[int]) -> list[int]:
+    """The model's argmax at each continuation position, fed the reference tokens (one prefill)."""
+    tokens = prompt + continuation
+    n = len(tokens)
+    kv = model.allocate_kv_cache((n + 15) // 16, 16)
+    meta = AttentionMetadata.build([0, n], [n], torch.arange((n + 15) // 16)[None], torch.arange(n), 16,
+                                   model.decode_kernel)
+    rows = torch.arange(len(prompt) - 1, n - 1)
+    with torch.inference_mode():
+        logits = model.forward(torch.tensor(tokens), torch.arange(n), meta, kv, rows)
+    return logits.argmax(-1).tolist()
+
+
+def test_packed_model_top1_agrees_with_fp32(smollm2_checkpoint) -> None:
+    """20 prompts x 64 greedy fp32 tokens, teacher-forced: >= 98% top-1 agreement, for the int4 / Q8_0 kernels
+    (forced for every row count) and for the per-batch-size choice (large prefills run the bf16 copy)."""
+    kept = load_checkpoint("smollm2-135m-instruct", keep_quantized=True)
+    tokenizer = smollm2_checkpoint.tokenizer
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    reference = LlamaModel.from_weights(smollm2_checkpoint.config, smollm2_checkpoint.weights)
+    continuations = _greedy_batched(reference, prompts)
+    total = len(prompts) * NEW_TOKENS
+    for thresholds in (PackThresholds.always_packed(), PackThresholds()):
+        model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True, thresholds=thresholds)
+        assert isinstance(model.layers[0].gate_up, PackedLinear) and model.layers[0].gate_up.form == "int4"
+        agree = sum(a == b for prompt, cont in zip(prompts, continuations)
+                    for a, b in zip(_teacher_forced_top1(model, prompt, cont), cont))
+        assert agree / total >= 0.98, f"{thresholds}: top-1 agreement {agree}/{total}"
+
+
+def test_default_engine_serves_the_packed_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LLM()` with dtype auto on a CPU with native bf16 keeps the Q4_1 file packed, runs a short prompt's
+    steps in int4 and a long prefill in bf16, and says so."""
+    from tokenloop import LLM, SamplingParams
+    from tokenloop.model.dtypes import CpuFeatures
+
+    monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls: CpuFeatures(avx512_bf16=True)))
+    llm = LLM(max_num_batched_tokens=256)
+    assert llm.engine.dtype_choice.weights == "quantized"
+    model = llm.engine.model
+    assert model.layers[0].gate_up.form == "int4" and model.lm_head.weight.form == "q8_0"
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    out = llm.generate("The capital of France is", params, use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text and llm.engine.runner.last_weight_form == "int4"
+    forms = []
+    original = llm.engine.runner.execute
+
+    def recording(output):  # noqa: ANN001, ANN202 - SchedulerOutput -> RunnerOutput
+        result = original(output)
+        forms.append(result.weight_form)
+        return result
+
+    monkeypatch.setattr(llm.engine.runner, "execute", recording)
+    llm.generate("Tell me a story. " * 20, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    assert forms[0] == "bfloat16" and forms[-1] == "int4"  # the 100-token prefill, then a decode step

@@ -1,0 +1,121 @@
+"""Which number formats a model runs in: `dtype="auto"` resolved against the CPU and the checkpoint.
+
+`auto` keeps the residual stream, attention and the KV cache in float32 (the C++ decode kernel is fp32,
+and KV precision is what long contexts are sensitive to) and picks the projection weights' form:
+
+- a quantized GGUF (Q4_0 / Q4_1 / Q8_0) on a CPU with AVX512-BF16 or AMX: the file's own blocks, packed
+  for the int4 / Q8_0 kernels for small batches, plus a dense copy for large ones (`quantized`);
+- any other checkpoint on such a CPU: bf16 weights (half the bytes, native bf16 dot products);
+- otherwise float32: without native bf16 every bf16 / int4 GEMM converts in software (not measured here).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokenloop.config import ModelConfig
+from tokenloop.model.llama import LlamaModel
+from tokenloop.model.quantized import GGMLTensor
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """The instruction-set extensions the dtype choice depends on."""
+
+    avx512_bf16: bool = False
+    amx_bf16: bool = False
+
+    @property
+    def native_bf16(self) -> bool:
+        return self.avx512_bf16 or self.amx_bf16
+
+    @classmethod
+    def detect(cls, cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFeatures:
+        """Read the flags of this machine (Linux); a machine without /proc/cpuinfo has none."""
+        try:
+            text = cpuinfo.read_text()
+        except OSError:
+            return cls()
+        flags: set[str] = set()
+        for line in text.splitlines():
+            if line.startswith("flags"):
+                flags.update(line.partition(":")[2].split())
+                break
+        return cls(avx512_bf16="avx512_bf16" in flags, amx_bf16="amx_bf16" in flags)
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The resolved forms: `activations` (residual stream, attention, KV cache) and `weights`, the
+    projections' form: float32 / float16 / bfloat16 or `quantized` (packed int4 / Q8_0 + dense copy)."""
+
+    activations: str
+    weights: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"activations and KV cache {self.activations}, weights {self.weights} ({self.reason})"
+
+
+def resolve_dtype(dtype: str, weight_dtype: str | None, device: str, quantized_checkpoint: bool,
+                  features: CpuFeatures) -> DtypeChoice:
+    """Resolve `EngineConfig.dtype` / `weight_dtype` (either may say auto / None) into concrete forms."""
+    on_cpu = torch.device(device).type == "cpu"
+    if dtype != "auto":
+        weights = weight_dtype or dtype
+        return DtypeChoice(dtype, _check_quantized(weights, on_cpu, quantized_checkpoint), "as configured")
+    if weight_dtype is not None:
+        return DtypeChoice("float32", _check_quantized(weight_dtype, on_cpu, quantized_checkpoint),
+                           "weights as configured")
+    if not on_cpu:
+        return DtypeChoice("float32", "float32", f"auto on {device}: no CPU kernels to choose from")
+    if not features.native_bf16:
+        return DtypeChoice("float32", "float32", "auto: this CPU has neither AVX512-BF16 nor AMX")
+    if quantized_checkpoint:
+        return DtypeChoice("float32", "quantized",
+                           "auto: quantized GGUF on a CPU with native bf16: packed int4 / Q8_0 for small "
+                           "batches, bf16 for large ones")
+    return DtypeChoice("float32", "bfloat16", "auto: float checkpoint on a CPU with native bf16")
+
+
+def _check_quantized(weights: str, on_cpu: bool, quantized_checkpoint: bool) -> str:
+    """`quantized` needs packed blocks and the CPU kernels; elsewhere it degrades to bf16 weights."""
+    if weights != "quantized":
+        return weights
+    if not on_cpu or not quantized_checkpoint:
+        logger.warning("weight_dtype=quantized needs a quantized GGUF on the CPU; using bfloat16 weights")
+        return "bfloat16"
+    return weights
+
+
+def build_model(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor | GGMLTensor],
+    choice: DtypeChoice,
+    device: str,
+    max_positions: int,
+) -> LlamaModel:
+    """The model in the chosen forms."""
+    quantized = choice.weights == "quantized"
+    model = LlamaModel.from_weights(
+        config, weights, device=device, dtype=DTYPES[choice.activations], max_positions=max_positions,
+        weight_dtype=None if quantized else DTYPES[choice.weights], quantized=quantized)
+    _return_freed_memory()
+    return model
+
+
+def _return_freed_memory() -> None:
+    """Hand the per-tensor conversion buffers glibc keeps in its arenas back to the OS (~60 MB here)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, nothing lost
+        pass

@@ -1,0 +1,319 @@
+"""GGUF tensors kept in their quantized form, and the packed CPU weights built from them.
+
+A `GGMLTensor` is a weight matrix as the file stores it: rows of ggml blocks. Row operations (llama.cpp's
+Q/K permutation undone, Q/K/V and gate/up fused) work on the raw rows, so no float copy is ever made.
+`PackedLinear` turns it into the forms CPU kernels consume directly:
+
+- Q4_0 / Q4_1 -> torch's CPU int4 layout (`aten._weight_int4pack_mm_for_cpu`, group 32, bf16 activations).
+  ggml's `w = d * q + m` over 32 values is torch's `(q - 8) * scale + zero` with scale = d and
+  zero = m + 8 d (Q4_0: m = -8 d, so zero = 0). The 4-bit codes are kept bit for bit; d and zero are
+  rounded to bf16, the only scale type the kernel takes.
+- Q8_0 -> its own int8 codes and per-block scales, multiplied by our C++ kernel in float32 (torch's
+  int8 weight-only kernel wants one scale per row and returns bf16: both cost greedy agreement).
+- anything else -> a dense bf16 matrix, dequantized one tensor at a time.
+
+Small batches are bandwidth-bound and want the fewest bytes; large ones are compute-bound and run faster
+on dense bf16 (measured: BENCHMARKS.md), so a `PackedLinear` may also hold a bf16 copy and picks per call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from tokenloop.model.cpu_kernels import paged_decode_kernels
+
+GROUP_SIZE = 32  # ggml's Q4/Q8 block length, and the int4 kernel's group size
+
+
+@dataclass(frozen=True)
+class PackThresholds:
+    """Most rows a call may have and still run the packed kernel when a bf16 copy exists.
+
+    Measured on the 2-core AVX512-BF16 EPYC (BENCHMARKS.md): torch's int4 kernel beats bf16 up to ~16-24
+    rows, our Q8_0 kernel beats fp32 up to ~8. `always_packed()` never uses the copy (tests, least memory).
+    """
+
+    int4_max_rows: int = 16
+    q8_max_rows: int = 8
+    keep_dense: bool = True
+
+    @classmethod
+    def always_packed(cls) -> PackThresholds:
+        return cls(1 << 62, 1 << 62, keep_dense=False)
+_INT4_N_MULTIPLE = 16  # torch's int4 packing wants the output dimension in multiples of 16
+QType = GGMLQuantizationType
+
+
+@dataclass
+class GGMLTensor:
+    """A 2-D weight in ggml encoding: `blocks` holds `rows` rows of `row_bytes` raw bytes."""
+
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, int]  # (rows, columns), columns contiguous
+    blocks: np.ndarray  # uint8 [rows, row_bytes]; may be a read-only view of the mapped file
+
+    @classmethod
+    def from_raw(cls, tensor_type: GGMLQuantizationType, shape: tuple[int, ...],
+                 raw: np.ndarray) -> GGMLTensor:
+        """Wrap a tensor's raw bytes (any leading dimensions fold into rows)."""
+        rows = int(np.prod(shape[:-1]))
+        return cls(tensor_type, (rows, int(shape[-1])), raw.reshape(rows, -1))
+
+    @property
+    def dtype(self) -> str:
+        return self.tensor_type.name
+
+    def take_rows(self, order: np.ndarray) -> GGMLTensor:
+        """The rows in `order`: exact, since ggml blocks never span rows."""
+        return GGMLTensor(self.tensor_type, self.shape, np.ascontiguousarray(self.blocks[order]))
+
+    @staticmethod
+    def concat(parts: list[GGMLTensor]) -> GGMLTensor | None:
+        """Rows of several same-typed, same-width tensors stacked; None when their encodings differ."""
+        first = parts[0]
+        if any(p.tensor_type != first.tensor_type or p.shape[1] != first.shape[1] for p in parts):
+            return None
+        blocks = np.concatenate([p.blocks for p in parts], axis=0)
+        return GGMLTensor(first.tensor_type, (blocks.shape[0], first.shape[1]), blocks)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float values (ggml's reference dequantization), converted to `dtype`."""
+        if self.tensor_type in (QType.Q4_0, QType.Q4_1, QType.Q8_0):  # torch is ~10x faster than gguf's numpy
+            if self.tensor_type == QType.Q8_0:
+                codes, d = self.q8_codes()
+                m = None
+            else:
+                codes, d, m = self.q4_codes()
+            rows, cols = self.shape
+            grouped = torch.from_numpy(codes).view(rows, -1, GROUP_SIZE).float()
+            grouped *= torch.from_numpy(d)[..., None]
+            if m is not None:
+                grouped += torch.from_numpy(m)[..., None]
+            return grouped.view(rows, cols).to(dtype)
+        if self.tensor_type == QType.F32:
+            values = self.blocks.view(np.float32)
+        elif self.tensor_type == QType.F16:
+            values = self.blocks.view(np.float16).astype(np.float32)
+        else:
+            values = dequantize(self.blocks, self.tensor_type)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(self.shape)).to(dtype)
+
+    def q4_codes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Q4_0 / Q4_1: 4-bit codes [rows, cols] uint8, and d, m [rows, cols / 32] float32 (w = d * q + m)."""
+        rows, cols = self.shape
+        header = 2 if self.tensor_type == QType.Q4_0 else 4
+        block = self.blocks.reshape(rows, cols // GROUP_SIZE, header + GROUP_SIZE // 2)
+        d = block[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = block[..., header:]
+        # ggml packs value j in the low nibble of byte j and value j + 16 in the high nibble.
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+        if self.tensor_type == QType.Q4_0:
+            m = -8.0 * d
+        else:
+            m = block[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return codes, d, m
+
+    def q8_codes(self) -> tuple[np.ndarray, np.ndarray]:
+        """Q8_0: int8 codes [rows, cols] and d [rows, cols / 32] float32 (w = d * q)."""
+        rows, cols = self.shape
+        block = self.blocks.reshape(rows, cols // GROUP_SIZE, 2 + GROUP_SIZE)
+        d = block[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = block[..., 2:].copy().view(np.int8).reshape(rows, cols)
+        return codes, d
+
+
+# -- packed forms ---------------------------------------------------------------------------------
+
+@dataclass
+class Int4Weight:
+    """torch's CPU int4 layout: `packed` [N_pad, K_pad / 2] uint8, `scales_zeros` [K_pad / 32, N_pad, 2]
+    bf16."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Weight:
+        """codes [N, K] in 0..15, scale/zero [N, ceil(K / 32)]: w = (q - 8) * scale + zero per group of 32.
+
+        Ragged shapes are padded with zero weights (code 8, zero 0): K to the group, N to 16.
+        """
+        n, k = codes.shape
+        n_pad, k_pad = -n % _INT4_N_MULTIPLE, -k % GROUP_SIZE
+        codes = codes.to(torch.int32)
+        if n_pad or k_pad:
+            codes = torch.nn.functional.pad(codes, (0, k_pad, 0, n_pad), value=8)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        # Padded rows get scale 1, zero 0: weight 0. (torch.stack of transposed views is ~10x slower.)
+        scales_zeros = torch.zeros(scale.shape[1], n + n_pad, 2, dtype=torch.bfloat16)
+        scales_zeros[..., 0] = 1.0
+        scales_zeros[:, :n, 0] = scale.t()
+        scales_zeros[:, :n, 1] = zero.t()
+        return cls(packed, scales_zeros, n, k)
+
+    @classmethod
+    def from_q4(cls, tensor: GGMLTensor) -> Int4Weight:
+        codes, d, m = tensor.q4_codes()
+        return cls.from_codes(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m + 8.0 * d))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int4Weight:
+        """Asymmetric 4-bit round-to-nearest of a float matrix [N, K], per group of 32 (tests, ragged K)."""
+        n, k = weight.shape
+        groups = torch.nn.functional.pad(weight.float(), (0, -k % GROUP_SIZE)).view(n, -1, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp_min(1e-8)
+        codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15)
+        return cls.from_codes(codes.view(n, -1)[:, :k], scale, low + 8 * scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> x @ W.T [M, N] in bf16."""
+        x = x.to(torch.bfloat16)
+        k_padded = self.packed.shape[1] * 2
+        if x.shape[1] != k_padded:
+            x = torch.nn.functional.pad(x, (0, k_padded - x.shape[1]))
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP_SIZE,
+                                                         self.scales_zeros)
+        return out if out.shape[1] == self.out_features else out[:, :self.out_features]
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored codes [N, K] (int32), scales and zeros [N, K_pad / 32] (float32), read back through the
+        kernel itself (identity activations, unit scale, zero 8), so a test sees what the kernel uses."""
+        k_padded = self.packed.shape[1] * 2
+        n_padded = self.packed.shape[0]
+        unit = torch.stack([torch.ones(k_padded // GROUP_SIZE, n_padded),
+                            torch.full((k_padded // GROUP_SIZE, n_padded), 8.0)], dim=-1).to(torch.bfloat16)
+        eye = torch.eye(k_padded, dtype=torch.bfloat16)
+        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, unit).t()
+        scale = self.scales_zeros[..., 0].float().t()
+        zero = self.scales_zeros[..., 1].float().t()
+        n, k = self.out_features, self.in_features
+        return codes[:n, :k].to(torch.int32), scale[:n], zero[:n]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weights the kernel multiplies by: (q - 8) * scale + zero."""
+        codes, scale, zero = self.unpack()
+        k = self.in_features
+        expand = (lambda t: t.repeat_interleave(GROUP_SIZE, dim=1)[:, :k])  # noqa: E731
+        return (codes.float() - 8) * expand(scale) + expand(zero)
+
+
+@dataclass
+class Q8Weight:
+    """Q8_0 as the file has it: int8 codes [N, K] and float32 scales [N, K / 32], multiplied by a C++ kernel
+    with float32 activations and float32 output (csrc/q8_0_matmul.cpp)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @classmethod
+    def from_q8(cls, tensor: GGMLTensor) -> Q8Weight:
+        codes, d = tensor.q8_codes()
+        return cls(torch.from_numpy(codes), torch.from_numpy(d))
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 4
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> x @ W.T [M, N] in float32."""
+        x = x.float().contiguous()
+        out = torch.empty(x.shape[0], self.codes.shape[0], dtype=torch.float32)
+        kernel = paged_decode_kernels()
+        if kernel is not None:
+            kernel.q8_0_matmul(x, self.codes, self.scales, out)
+            return out
+        for start in range(0, self.codes.shape[0], 4096):  # no compiler: dequantize a slice at a time
+            rows = slice(start, start + 4096)
+            out[:, rows] = x @ self.dequantize(rows).t()
+        return out
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        codes = self.codes[rows]
+        grouped = codes.view(codes.shape[0], -1, GROUP_SIZE).float() * self.scales[rows].unsqueeze(-1)
+        return grouped.view(codes.shape)
+
+
+@dataclass
+class PackedLinear:
+    """One projection held as a packed quantized form, optionally with a dense copy for large batches.
+
+    Calls with at most `packed_max_rows` rows (or all calls, without a dense copy) run the packed kernel.
+    The dense copy is bf16, or an fp32 oneDNN-packed matrix where bf16 output is too coarse (the logits).
+    """
+
+    packed: Int4Weight | Q8Weight
+    dense: torch.Tensor | None
+    packed_max_rows: int
+
+    @property
+    def form(self) -> str:
+        return "int4" if isinstance(self.packed, Int4Weight) else "q8_0"
+
+    def form_for(self, rows: int) -> str:
+        """Which form a call with `rows` rows runs."""
+        if self.dense is None or rows <= self.packed_max_rows:
+            return self.form
+        return "float32" if self.dense.is_mkldnn else str(self.dense.dtype).removeprefix("torch.")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (any float dtype) -> x @ W.T in x's dtype."""
+        if self.dense is None or x.shape[0] <= self.packed_max_rows:
+            return self.packed.matmul(x).to(x.dtype)
+        if self.dense.is_mkldnn:
+            dense_x = x.float().contiguous().to_mkldnn()
+            return torch._C._nn.mkldnn_linear(dense_x, self.dense, None).to_dense().to(x.dtype)
+        return torch.nn.functional.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
+
+
+def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = PackThresholds(),
+                dense_dtype: torch.dtype = torch.bfloat16) -> PackedLinear | torch.Tensor:
+    """The fastest kept form of one projection: packed int4 / Q8_0 (+ a dense copy in `dense_dtype` for
+    large batches), or the dense matrix alone where no packed kernel fits the encoding."""
+    if isinstance(weight, GGMLTensor) and weight.tensor_type in (QType.Q4_0, QType.Q4_1):
+        packed: Int4Weight | Q8Weight = Int4Weight.from_q4(weight)
+        max_rows = thresholds.int4_max_rows
+    elif isinstance(weight, GGMLTensor) and weight.tensor_type == QType.Q8_0:
+        packed = Q8Weight.from_q8(weight)
+        max_rows = thresholds.q8_max_rows
+    else:
+        return dense_weight(weight, dense_dtype)
+    dense = None
+    if thresholds.keep_dense:
+        dense = dense_weight(weight, dense_dtype)
+        if dense_dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            dense = dense.to_mkldnn()  # ~1.4-2x faster than plain fp32 GEMMs here at 8-32 rows
+    return PackedLinear(packed, dense, max_rows)
+
+
+def dense_weight(weight: GGMLTensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A plain contiguous matrix in `dtype`, dequantizing a ggml tensor on the way."""
+    if isinstance(weight, GGMLTensor):
+        return weight.dequantize(dtype).contiguous()
+    return weight.to(dtype).contiguous()
+
+
+class QuantizedEmbedding:
+    """Token embedding rows looked up from Q8_0 codes (exact: an int8 code times an fp16 scale fits fp32)."""
+
+    def __init__(self, weight: Q8Weight) -> None:
+        self.codes = weight.codes  # shared with a tied LM head's Q8Weight: one copy serves both
+        self.scales = weight.scales
+        self.shape = tuple(weight.codes.shape)
+
+    def index_select(self, dim: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` as float32 [T, hidden], like `Tensor.index_select(0, ids)`."""
+        assert dim == 0
+        rows = self.codes.index_select(0, ids).float().view(len(ids), -1, GROUP_SIZE)
+        return (rows * self.scales.index_select(0, ids).unsqueeze(-1)).view(len(ids), self.shape[1])
