@@ -281,6 +281,10 @@ CASES: list[Case] = [
     Case("prompt-plus-max-tokens-over-context", 4, "/v1/completions",
          cmpl(prompt=[5] * 1000, max_tokens=25), param="max_tokens", names_field=False,
          check=has_numbers(str(MAX_MODEL_LEN), "1025", "1000", "25")),
+    # In a batch, the longest prompt decides.
+    Case("batch-one-prompt-over-context", 4, "/v1/completions",
+         cmpl(prompt=[[5] * 10, [5] * 1000], max_tokens=25),
+         param="max_tokens", names_field=False, check=has_numbers(str(MAX_MODEL_LEN), "1025", "1000", "25")),
     Case("prompt-plus-max-tokens-at-context-ok", 4, "/v1/completions", cmpl(prompt=[5] * 1000, max_tokens=24),
          status=200, check=completed),
     Case("chat-prompt-plus-max-tokens-over-context", 4, "/v1/chat/completions", chat(max_tokens=1020),

@@ -1,8 +1,13 @@
 """Issue 9, "another user": a victim's greedy stream runs while an attacker sends class-2 and class-3 inputs.
 
 The victim must complete normally (finish_reason length, no error frame), with exactly the text it gets
-when run alone (greedy on the tiny fp32 model is batch-invariant), and on time. While the attacker sends
-2 MB of text to tokenize, `/health` must answer within 100 ms (the issue's bound), measured here.
+when run alone (greedy on the tiny fp32 model is batch-invariant), and on time: in total, and with no
+long pause between two of its chunks. While the attacker sends 2 MB of text to tokenize (and other
+CPU-heavy requests), `/health` must answer within 100 ms (the issue's bound), measured here.
+
+Besides the table of attacks: a stage that raises for one request past the edge (cache-salt hashing,
+policy ranking) fails that request alone; a client that stops reading, a flood of bad requests, trace
+exports and a burst past the queue leave the victim's output unchanged.
 """
 
 from __future__ import annotations

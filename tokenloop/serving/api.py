@@ -292,6 +292,11 @@ class OpenAIServing:
                                        on_close=stream.abort)
         if not await self._collect(stream, submission, raw):
             return Response(status_code=499)  # nobody reads it; the requests are already aborted
+        # Megabytes of logprobs take a while to assemble: off the event loop.
+        body = await self._off_loop(self._completion_body, submission, req, params)
+        return Response(body, media_type="application/json")
+
+    def _completion_body(self, submission: _Submission, req: CompletionRequest, params: SamplingParams) -> bytes:
         choices = []
         for index in sorted(submission.choices):
             choice = submission.choices[index]
@@ -307,9 +312,9 @@ class OpenAIServing:
             logprobs = self._completion_logprobs(entries, req.logprobs, 0) if req.logprobs is not None else None
             choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
                                             finish_reason=choice.finish_reason))
-        body = CompletionResponse(id=response_id, created=submission.created, model=self.model_name,
+        body = CompletionResponse(id=submission.response_id, created=submission.created, model=self.model_name,
                                   choices=choices, usage=submission.usage())
-        return Response(body.model_dump_json(), media_type="application/json")
+        return body.model_dump_json().encode()
 
     def _prompt_text(self, prompt: _Prompt) -> str:
         return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
@@ -406,6 +411,10 @@ class OpenAIServing:
             return EventStreamResponse(self._chat_frames(stream, submission, req, num_top), on_close=stream.abort)
         if not await self._collect(stream, submission, raw):
             return Response(status_code=499)
+        body = await self._off_loop(self._chat_body, submission, req, num_top)
+        return Response(body, media_type="application/json")
+
+    def _chat_body(self, submission: _Submission, req: ChatCompletionRequest, num_top: int) -> bytes:
         choices = []
         for index in sorted(submission.choices):
             choice = submission.choices[index]
@@ -413,9 +422,9 @@ class OpenAIServing:
             logprobs = self._chat_logprobs(choice.logprobs, num_top) if req.logprobs else None
             choices.append(ChatChoice(index=index, message=ChatMessage(content="".join(choice.text)),
                                       logprobs=logprobs, finish_reason=choice.finish_reason))
-        body = ChatCompletionResponse(id=response_id, created=submission.created, model=self.model_name,
+        body = ChatCompletionResponse(id=submission.response_id, created=submission.created, model=self.model_name,
                                       choices=choices, usage=submission.usage())
-        return Response(body.model_dump_json(), media_type="application/json")
+        return body.model_dump_json().encode()
 
     async def _chat_frames(self, stream: RequestStream, submission: _Submission, req: ChatCompletionRequest,
                            num_top: int) -> AsyncIterator[str]:
@@ -613,11 +622,14 @@ def create_app(
         req = await json_body(raw, DetokenizeRequest)
         return _json(await serving._off_loop(serving.detokenize, req))  # noqa: SLF001 - same module
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_running or not async_engine.accepting:
             raise APIError(503, "the engine is not running", "server_error", None, "service_unavailable")
         return Response(status_code=200)
+
+    app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head",
+                      include_in_schema=False)  # load balancers probe with HEAD
 
     @app.get("/version")
     async def version() -> Response:

@@ -15,6 +15,9 @@ lock and never block the event loop.
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from importlib import resources
 from typing import Any, Callable, Literal
 
@@ -25,6 +28,7 @@ from tokenloop.tracing import Tracer
 
 TraceFormat = Literal["chrome", "mechanism"]
 
+_EXPORT_TTL_S = 1.0
 _STATIC = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
 
 
@@ -66,12 +70,21 @@ def make_trace_router(get_tracer: Callable[[], Tracer | None]) -> APIRouter:
             return _error(404, f"no trace for request {request_id!r}", "trace_not_found", "request_id")
         return JSONResponse(body)
 
+    # The export of everything recent costs ~0.2 s of Python (GIL time the engine thread then waits for):
+    # clients polling it share one build per `_EXPORT_TTL_S`.
+    cached: dict[str, tuple[float, bytes]] = {}
+    export_lock = threading.Lock()
+
     @router.get("/v1/trace")
     def get_all_traces(format: Literal["chrome"] = Query("chrome")) -> Response:  # noqa: A002
         tracer = tracer_or_error()
         if isinstance(tracer, JSONResponse):
             return tracer
-        return JSONResponse(tracer.chrome_trace())
+        with export_lock:  # one build at a time; the others wait for it and share it
+            built = cached.get(format)
+            if built is None or time.monotonic() - built[0] > _EXPORT_TTL_S:
+                built = cached[format] = (time.monotonic(), json.dumps(tracer.chrome_trace()).encode())
+        return Response(built[1], media_type="application/json")
 
     @router.get("/v1/dashboard/state")
     def dashboard_state() -> Response:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -71,6 +72,9 @@ def parse_json_object(body: bytes, content_type: str | None, max_depth: int) -> 
         raise invalid(f"the request body is nested too deeply (at most {max_depth} levels)",
                       code="invalid_json") from None
     except ValueError as exc:  # JSONDecodeError, or an integer literal past Python's digit limit
+        if "integer string conversion" in str(exc):
+            raise invalid(f"the request body holds an integer literal of more than {sys.get_int_max_str_digits()} "
+                          "digits", code="invalid_json") from None
         raise invalid(f"the request body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
     if not isinstance(value, dict):
         raise invalid(f"the request body must be a JSON object, got {json_type_name(value)}")
