@@ -9,11 +9,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from tokenloop.errors import InvalidRequestError
+from tokenloop.structured.spec import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from tokenloop.structured.matcher import RequestMatcher
 
 Clock = Callable[[], int]
 """A monotonic clock returning integer nanoseconds (default: `time.monotonic_ns`)."""
@@ -73,6 +77,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # json / regex / choice / grammar constraint
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -217,6 +222,8 @@ class Request:
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(sampling_params.seed)
+        # A constrained request's grammar state, set by the engine; it advances with appended output tokens only.
+        self.structured: RequestMatcher | None = None
 
     @property
     def num_tokens(self) -> int:
