@@ -44,6 +44,10 @@ from tokenloop.serving.protocol import (ChatChoice, ChatChoiceLogprobs, ChatComp
                                         TokenizeCompletionRequest, TokenizeResponse, TopLogprob, UsageInfo,
                                         VersionResponse, now_s, random_id)
 from tokenloop.serving.sse import DONE_FRAME, EventStreamResponse, frame
+from tokenloop.serving.structured_fields import (final_message, stream_deltas, stream_finish_reason,
+                                                 tool_choice_of)
+from tokenloop.structured.tool_calls import ToolChoice, template_inputs
+from tokenloop.structured.tool_stream import ToolCallStream
 from tokenloop.serving.trace_routes import make_trace_router
 
 logger = logging.getLogger(__name__)
@@ -270,6 +274,9 @@ class OpenAIServing:
         return ChatChoiceLogprobs(content=content)
 
     async def _submit(self, specs: list[RequestSpec]) -> RequestStream:
+        spec = specs[0].params.structured_outputs if specs else None
+        if spec is not None:  # compiled (or found in the cache) off the event loop; a bad one is a 400 here
+            await asyncio.to_thread(self.async_engine.engine.structured.compile, spec)
         return await self.async_engine.add_requests(specs)
 
     async def _collect(self, stream: RequestStream, submission: _Submission, raw: Request) -> bool:
@@ -411,8 +418,11 @@ class OpenAIServing:
         self.check_model(req.model)
         try:
             params = req.to_sampling_params()
-            text = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                                      tokenize=False, **(req.chat_template_kwargs or {}))
+            tools = tool_choice_of(req)  # None without tools
+            messages, tool_kwargs = template_inputs(req.messages, tools, self.tokenizer.chat_template)
+            template_kwargs = {**tool_kwargs, **(req.chat_template_kwargs or {})}
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                      tokenize=False, **template_kwargs)
             # The template wrote the special tokens; encoding must not add a second BOS.
             token_ids = self.tokenizer.encode(text, add_special_tokens=False)
             response_id = random_id("chatcmpl")
@@ -426,7 +436,8 @@ class OpenAIServing:
         submission = _Submission(response_id, now_s(), [_Prompt(text)], [response_id], params.n)
         num_top = req.top_logprobs or 0
         if req.stream:
-            return EventStreamResponse(self._chat_frames(stream, submission, req, num_top), on_close=stream.abort)
+            return EventStreamResponse(self._chat_frames(stream, submission, req, num_top, tools),
+                                       on_close=stream.abort)
         if not await self._collect(stream, submission, raw):
             return Response(status_code=499)
         choices = []
@@ -434,14 +445,15 @@ class OpenAIServing:
             choice = submission.choices[index]
             _check_finish(choice)
             logprobs = self._chat_logprobs(choice.logprobs, num_top) if req.logprobs else None
-            choices.append(ChatChoice(index=index, message=ChatMessage(content="".join(choice.text)),
-                                      logprobs=logprobs, finish_reason=choice.finish_reason))
+            content, tool_calls, finish = final_message("".join(choice.text), choice.finish_reason, tools)
+            message = ChatMessage(content=content, tool_calls=tool_calls)
+            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish))
         body = ChatCompletionResponse(id=response_id, created=submission.created, model=self.model_name,
                                       choices=choices, usage=submission.usage())
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _chat_frames(self, stream: RequestStream, submission: _Submission, req: ChatCompletionRequest,
-                           num_top: int) -> AsyncIterator[str]:
+                           num_top: int, tools: ToolChoice | None = None) -> AsyncIterator[str]:
         include_usage = req.include_usage_in_stream
         dump = {} if include_usage else {"exclude": {"usage"}}
 
@@ -451,6 +463,8 @@ class OpenAIServing:
                                                                  finish_reason=finish)])
             return frame(body, **dump)
 
+        # With tools, each choice's text goes through its tool-call parser (content and tool-call deltas).
+        tool_streams = {i: ToolCallStream(tools) for i in range(submission.n)} if tools is not None else {}
         # The role comes first, for every choice, before any token is ready.
         for index in range(submission.n):
             submission.choice(0, index).started = True
@@ -468,6 +482,16 @@ class OpenAIServing:
                         return
                     choice.num_tokens += len(c.token_ids_delta)
                     choice.finish_reason = c.finish_reason
+                    tool_stream = tool_streams.get(c.index)
+                    if tool_stream is not None:
+                        events = tool_stream.feed(c.text_delta)
+                        events += tool_stream.finish() if c.finish_reason is not None else []
+                        for delta in stream_deltas(events):
+                            yield chunk(c.index, DeltaMessage(**delta), None, None)
+                        if c.finish_reason is not None:
+                            finish = stream_finish_reason(tool_stream, c.finish_reason)
+                            yield chunk(c.index, DeltaMessage(), None, finish)
+                        continue
                     if c.text_delta or (req.logprobs and c.logprobs_delta):
                         logprobs = self._chat_logprobs(c.logprobs_delta or [], num_top) if req.logprobs else None
                         yield chunk(c.index, DeltaMessage(content=c.text_delta), logprobs, None)

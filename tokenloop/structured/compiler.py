@@ -32,9 +32,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    """Bounds on one grammar: source size, and llguidance's fuel (work per build and per mask step)."""
+    """Bounds on one grammar: llguidance's fuel (work per build and per mask step) and sizes."""
 
-    max_spec_bytes: int = 256 * 1024
     max_grammar_size: int = 200_000  # symbols in the grammar's productions
     initial_lexer_fuel: int = 2_000_000  # ~40 ms of regex building
     step_lexer_fuel: int = 400_000  # ~30 ms per mask, at most
@@ -129,11 +128,6 @@ class GrammarCompiler:
         return compiled
 
     def _build(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        source = spec.json if spec.kind == "json" else getattr(spec, spec.kind)
-        size = len(json.dumps(list(source) if isinstance(source, tuple) else source))
-        if size > self.limits.max_spec_bytes:
-            raise InvalidRequestError(f"{spec.param}: the {spec.kind} is {size} bytes, more than the limit of "
-                                      f"{self.limits.max_spec_bytes}", param=spec.param)
         grammar = grammar_text(spec)
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits.parser_limits())
         if not matcher.is_error():

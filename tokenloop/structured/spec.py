@@ -17,6 +17,8 @@ from tokenloop.errors import InvalidRequestError
 
 # The vLLM field names, in the order a spec is checked.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# A spec's JSON text may be at most this long: grammars grow with it, and so does compile time.
+MAX_SPEC_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class StructuredOutputsParams:
             value = getattr(self, kind)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequestError(f"{self.param}.{kind} must be a non-empty string", param=self.param)
+        value = getattr(self, self.kind)
+        if _encoded_size_exceeds(list(value) if isinstance(value, tuple) else value, MAX_SPEC_BYTES):
+            raise InvalidRequestError(f"{self.param}: the {self.kind} is larger than the limit of {MAX_SPEC_BYTES} "
+                                      "bytes", param=self.param)
 
     @property
     def kind(self) -> str:
@@ -89,3 +95,17 @@ class StructuredOutputsParams:
         return cls(json=body.get("json"), regex=body.get("regex"),
                    choice=tuple(choice) if choice is not None else None, grammar=body.get("grammar"),
                    json_object=bool(body.get("json_object")), param=param)
+
+
+def _encoded_size_exceeds(value: object, limit: int) -> bool:
+    """Whether `value` as JSON text is longer than `limit`, found without building all of it (an object
+    that shares sub-objects can stand for an exponentially long text)."""
+    size = 0
+    try:
+        for chunk in json.JSONEncoder().iterencode(value):
+            size += len(chunk)
+            if size > limit:
+                return True
+    except (TypeError, ValueError):  # not JSON at all (a set, a circular object): too odd to be a spec
+        return True
+    return False
