@@ -44,7 +44,7 @@ def _object(rng: random.Random, depth: int, defs: dict[str, Any]) -> dict[str, A
             properties[name] = _object(rng, depth + 1, defs)
         elif roll < 0.35:
             properties[name] = _array(rng, _leaf(rng))
-        elif roll < 0.45:
+        elif roll < 0.45 and depth < 2:  # a $ref into $defs (never from inside a definition: no cycles)
             ref_name = f"def{len(defs)}"
             defs[ref_name] = _leaf(rng) if rng.random() < 0.6 else _object(rng, 2, defs)
             properties[name] = {"$ref": f"#/$defs/{ref_name}"}
