@@ -43,9 +43,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--weight-dtype", default="bfloat16", help="projection weights (BENCHMARKS.md option)")
     args = parser.parse_args()
-    llm = LLM(max_num_seqs=max(args.streams), max_num_batched_tokens=2048, dtype=args.dtype)
+    llm = LLM(max_num_seqs=max(args.streams), max_num_batched_tokens=2048,
+              weight_dtype=args.weight_dtype)
     tokenizer = llm.get_tokenizer()
     schemas = generate_schemas(100)
 

@@ -189,7 +189,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock)
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
-        self.structured = StructuredOutputs(self.tokenizer, model_config.vocab_size)  # grammars, compiled lazily
+        self.structured = StructuredOutputs(self.tokenizer, model_config.vocab_size)  # grammars, built lazily
         self._groups: dict[str, _Group] = {}
         self._samples: dict[str, tuple[_Group, _Sample]] = {}  # scheduler request id -> its group and sample
         self._request_counter = itertools.count()

@@ -222,7 +222,7 @@ class Request:
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(sampling_params.seed)
-        # A constrained request's grammar state, set by the engine; it advances with appended output tokens only.
+        # A constrained request's grammar state, set by the engine; it advances with new output tokens only.
         self.structured: RequestMatcher | None = None
 
     @property

@@ -70,7 +70,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
-    # Structured outputs (tokenloop.serving.structured_fields): OpenAI's response_format, vLLM's structured_outputs
+    # Structured outputs (see tokenloop.serving.structured_fields): OpenAI's and vLLM's fields
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
 

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, model_serializer
 
 from tokenloop.errors import InvalidRequestError
 from tokenloop.structured.spec import StructuredOutputsParams
-from tokenloop.structured.tool_calls import ToolChoice, forced_call_constraint, parse_output, resolve_tool_choice
+from tokenloop.structured.tool_calls import (ToolChoice, forced_call_constraint, parse_output,
+                                             resolve_tool_choice)
 from tokenloop.structured.tool_stream import ContentPiece, StreamEvent, ToolCallStream
 
 
@@ -49,7 +50,8 @@ def refuse_deprecated_functions(body: Any) -> None:
     """`functions` and `function_call` were replaced by `tools` and `tool_choice`: say so."""
     if getattr(body, "functions", None) is not None:
         raise InvalidRequestError("functions is deprecated and not supported: send the functions as "
-                                  "tools=[{'type': 'function', 'function': {...}}] instead", param="functions")
+                                  "tools=[{'type': 'function', 'function': {...}}] instead",
+                                  param="functions")
     if getattr(body, "function_call", None) is not None:
         raise InvalidRequestError("function_call is deprecated and not supported: use tool_choice with tools "
                                   "instead", param="function_call")
@@ -76,8 +78,8 @@ def structured_outputs_of(body: Any) -> StructuredOutputsParams | None:
     if forced is not None:
         specs.append(forced)
     if len(specs) > 1:
-        raise InvalidRequestError(f"{' and '.join(s.param for s in specs)} each constrain the output; send only one",
-                                  param=specs[-1].param)
+        names = " and ".join(s.param for s in specs)
+        raise InvalidRequestError(f"{names} each constrain the output; send only one", param=specs[-1].param)
     return specs[0] if specs else None
 
 
@@ -142,10 +144,14 @@ def stream_deltas(events: list[StreamEvent]) -> list[dict[str, Any]]:
             out.append({"content": event.text})
         else:
             function = DeltaFunctionCall(name=event.name, arguments=event.arguments)
-            out.append({"tool_calls": [DeltaToolCall(index=event.index, id=event.id,
-                                                     type="function" if event.id else None, function=function)]})
+            call = DeltaToolCall(index=event.index, id=event.id, type="function" if event.id else None,
+                                 function=function)
+            out.append({"tool_calls": [call]})
     return out
 
 
 def stream_finish_reason(stream: ToolCallStream | None, finish_reason: str | None) -> str | None:
-    return "tool_calls" if stream is not None and stream.num_calls and finish_reason == "stop" else finish_reason
+    """A streamed choice that made calls and ended normally ends with "tool_calls"."""
+    if stream is not None and stream.num_calls and finish_reason == "stop":
+        return "tool_calls"
+    return finish_reason

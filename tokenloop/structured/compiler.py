@@ -129,7 +129,8 @@ class GrammarCompiler:
 
     def _build(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         grammar = grammar_text(spec)
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits.parser_limits())
+        limits = self.limits.parser_limits()
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
         if not matcher.is_error():
             # The first mask builds the lexer's start states: a grammar too costly for its fuel fails here.
             mask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)

@@ -34,7 +34,7 @@ class StructuredOutputs:
 
     @property
     def compiler(self) -> GrammarCompiler:
-        """The grammar cache, created on first use (thread-safe: the front end compiles ahead of the engine)."""
+        """The grammar cache, made on first use (thread-safe: the front end compiles ahead of the engine)."""
         with self._lock:
             if self._compiler is None:
                 from tokenloop.structured.compiler import GrammarCompiler

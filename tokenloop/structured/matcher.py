@@ -95,7 +95,7 @@ class BitmaskApplier:
         self._num_threads = num_threads
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[RequestMatcher | None]) -> torch.Tensor:
-        """`logits` [B, V] with disallowed tokens of constrained rows at -inf (a copy; `logits` is not changed)."""
+        """`logits` [B, V] with the constrained rows' disallowed tokens at -inf (a copy, or `logits`)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits

@@ -54,7 +54,8 @@ class StructuredOutputsParams:
             try:
                 parsed = json.loads(self.json)
             except ValueError as exc:
-                raise InvalidRequestError(f"{self.param}.json is not valid JSON: {exc}", param=self.param) from None
+                message = f"{self.param}.json is not valid JSON: {exc}"
+                raise InvalidRequestError(message, param=self.param) from None
             object.__setattr__(self, "json", parsed)
         if self.json is not None and not isinstance(self.json, dict) and not isinstance(self.json, bool):
             raise InvalidRequestError(f"{self.param}.json must be a JSON schema object", param=self.param)
@@ -64,8 +65,8 @@ class StructuredOutputsParams:
                 raise InvalidRequestError(f"{self.param}.{kind} must be a non-empty string", param=self.param)
         value = getattr(self, self.kind)
         if _encoded_size_exceeds(list(value) if isinstance(value, tuple) else value, MAX_SPEC_BYTES):
-            raise InvalidRequestError(f"{self.param}: the {self.kind} is larger than the limit of {MAX_SPEC_BYTES} "
-                                      "bytes", param=self.param)
+            raise InvalidRequestError(f"{self.param}: the {self.kind} is not JSON or larger than the limit "
+                                      f"of {MAX_SPEC_BYTES} bytes", param=self.param)
 
     @property
     def kind(self) -> str:

@@ -67,15 +67,16 @@ def parse_tools(tools: Any, param: str = "tools") -> tuple[ToolDef, ...]:
     for index, tool in enumerate(tools):
         where = f"{param}[{index}]"
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise InvalidRequestError(f"{where}: only {{'type': 'function', 'function': {{...}}}} tools are supported",
-                                      param=where)
+            raise InvalidRequestError(f"{where}: only {{'type': 'function', 'function': {{...}}}} tools are "
+                                      "supported", param=where)
         function = tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise InvalidRequestError(f"{where}.function must be an object with a 'name'", param=f"{where}.function")
+            raise InvalidRequestError(f"{where}.function must be an object with a 'name'",
+                                      param=f"{where}.function")
         name = function["name"]
         if not _NAME.match(name):
-            raise InvalidRequestError(f"{where}.function.name {name!r} must be 1-64 letters, digits, _ . or -",
-                                      param=f"{where}.function.name")
+            raise InvalidRequestError(f"{where}.function.name {name!r} must be 1-64 letters, digits, _ . or "
+                                      "-", param=f"{where}.function.name")
         parameters = function.get("parameters")
         if parameters is None:
             parameters = {"type": "object", "properties": {}}
@@ -89,19 +90,21 @@ def parse_tools(tools: Any, param: str = "tools") -> tuple[ToolDef, ...]:
     return tuple(out)
 
 
-def resolve_tool_choice(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None = None) -> ToolChoice | None:
+def resolve_tool_choice(tools: Any, tool_choice: Any,
+                        parallel_tool_calls: bool | None = None) -> ToolChoice | None:
     """The request's tool mode (None without tools); `tool_choice` without `tools` is a 400, as in OpenAI."""
     if tools is None or tools == []:
         if tool_choice is not None and tool_choice != "none":
-            raise InvalidRequestError("tool_choice is only allowed when tools are specified", param="tool_choice")
+            raise InvalidRequestError("tool_choice is only allowed when tools are specified",
+                                      param="tool_choice")
         return None
     defs = parse_tools(tools)
     parallel = parallel_tool_calls is not False
     if tool_choice is None or tool_choice in ("auto", "none", "required"):
         return ToolChoice(tool_choice or "auto", defs, parallel=parallel)
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    if (not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(function, dict)
-            or not isinstance(function.get("name"), str)):
+    if (not isinstance(tool_choice, dict) or tool_choice.get("type") != "function"
+            or not isinstance(function, dict) or not isinstance(function.get("name"), str)):
         raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or "
                                   "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
     if all(t.name != function["name"] for t in defs):
@@ -173,8 +176,8 @@ def _render_history(message: dict[str, Any]) -> dict[str, Any]:
                 arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
             except ValueError:
                 pass  # shown as the string it is
-            blocks.append(f"{OPEN_TAG}\n{json.dumps({'name': function.get('name'), 'arguments': arguments})}\n"
-                          f"{CLOSE_TAG}")
+            body = json.dumps({"name": function.get("name"), "arguments": arguments})
+            blocks.append(f"{OPEN_TAG}\n{body}\n{CLOSE_TAG}")
         content = message.get("content") or ""
         return {**message, "content": (content + "\n" if content else "") + "\n".join(blocks)}
     if role == "tool":
@@ -206,7 +209,8 @@ def parse_output(text: str, choice: ToolChoice) -> tuple[str | None, list[Parsed
             items = json.loads(text)
         except ValueError:
             return text, []  # cut short by max_tokens: what there is, as text
-        calls = [ParsedCall(i["name"], json.dumps(i.get("arguments", {}))) for i in items if isinstance(i, dict)]
+        calls = [ParsedCall(i["name"], json.dumps(i.get("arguments", {})))
+                 for i in items if isinstance(i, dict)]
         return None, calls
     if choice.mode == "none" or OPEN_TAG not in text:
         return text, []
