@@ -26,6 +26,7 @@ from tokenloop.model.loader import Checkpoint, load_checkpoint
 from tokenloop.request import NS_PER_S, Clock, Request, RequestStatus, SamplingParams, default_clock
 from tokenloop.runner import ModelRunner, RunnerOutput
 from tokenloop.sampler import Sampler, TokenLogprobs
+from tokenloop.structured.engine_hooks import StructuredOutputs
 from tokenloop.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenloop.tracing import Tracer
 
@@ -197,6 +198,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock)
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
+        self.structured = StructuredOutputs(self.tokenizer, model_config.vocab_size)  # grammars, built lazily
         self._groups: dict[str, _Group] = {}
         self._samples: dict[str, tuple[_Group, _Sample]] = {}  # scheduler request id -> its group and sample
         self._request_counter = itertools.count()
@@ -248,6 +250,7 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
         arrival = self.clock() if arrival_ns is None else arrival_ns
         text = prompt if isinstance(prompt, str) else None
+        grammar = self.structured.compile(params.structured_outputs)  # None when unconstrained
         samples: list[_Sample] = []
         for index in range(params.n):
             child_params = params
@@ -256,6 +259,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             request = Request(child_id, ids, child_params, arrival, prompt=text, priority=priority, user=user,
                               cache_salt=cache_salt, eos_token_id=self.tokenizer.eos_token_id)
+            request.structured = grammar.new_matcher() if grammar is not None else None  # one per sample
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=list(params.stop or []),
                 include_stop_str_in_output=params.include_stop_str_in_output)
@@ -472,6 +476,7 @@ class LLMEngine:
         params = request.sampling_params
         request.append_output_token(token)
         request.times.record_token(now)
+        self.structured.accept(request, token)  # raises if the grammar refuses it: fails this request only
         if sample.logprobs is not None and logprobs is not None:
             sample.logprobs.append(logprobs)
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + logprobs.logprob
@@ -480,6 +485,8 @@ class LLMEngine:
 
         status: RequestStatus | None = None
         if can_stop and not params.ignore_eos and token == request.eos_token_id:
+            status = RequestStatus.FINISHED_STOPPED
+        elif request.structured is not None and request.structured.is_terminated:  # the grammar is complete
             status = RequestStatus.FINISHED_STOPPED
         elif can_stop and token in (params.stop_token_ids or ()):
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token

@@ -10,11 +10,15 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from tokenloop.errors import InvalidRequestError
+from tokenloop.structured.spec import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from tokenloop.structured.matcher import RequestMatcher
 
 Clock = Callable[[], int]
 """A monotonic clock returning integer nanoseconds (default: `time.monotonic_ns`)."""
@@ -83,6 +87,7 @@ class SamplingParams:
     # step's part, always; "cumulative": everything so far, every step (O(length) per step: a long stream
     # costs O(length^2)). After vLLM's RequestOutputKind.
     output_kind: str = "final"
+    structured_outputs: StructuredOutputsParams | None = None  # json / regex / choice / grammar constraint
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -237,6 +242,8 @@ class Request:
         if sampling_params.seed is not None:
             self.generator = torch.Generator()
             self.generator.manual_seed(sampling_params.seed)
+        # A constrained request's grammar state, set by the engine; it advances with new output tokens only.
+        self.structured: RequestMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from tokenloop.errors import InvalidRequestError
 from tokenloop.request import Request, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloop.structured.matcher import BitmaskApplier
 
 # Below this, dividing by the temperature overflows float32; such rows are greedy, as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
@@ -66,6 +69,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.generator = torch.Generator()
         self.generator.manual_seed(seed)
+        self._grammar_masks: BitmaskApplier | None = None  # built when a constrained request first shows up
 
     def validate(self, params: SamplingParams) -> None:
         """Raise `InvalidRequestError` if `params` name token ids outside the vocabulary.
@@ -97,6 +101,8 @@ class Sampler:
         itself when nothing changes it; never modifies it.
         """
         logits = self._check_logits(logits, len(requests))
+        if any(r.structured is not None for r in requests):  # grammar bitmasks first, as vLLM applies them
+            logits = self._apply_grammar(logits, requests)
         x = self._penalise(logits, requests)
         random_rows = [i for i, r in enumerate(requests) if not _is_greedy(r.sampling_params)]
         if not random_rows:
@@ -125,6 +131,13 @@ class Sampler:
             lp = torch.log_softmax(logits[start:end].float(), dim=-1)
             out.extend(_gather_logprobs(lp, targets[start:end], [num_top] * lp.shape[0]))
         return out
+
+    def _apply_grammar(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        if self._grammar_masks is None:
+            from tokenloop.structured.matcher import BitmaskApplier
+
+            self._grammar_masks = BitmaskApplier(self.vocab_size)
+        return self._grammar_masks.apply(logits, [r.structured for r in requests])
 
     # ---- checks -------------------------------------------------------------------------------
 

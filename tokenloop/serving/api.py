@@ -45,6 +45,10 @@ from tokenloop.serving.protocol import (ChatChoice, ChatChoiceLogprobs, ChatComp
 from tokenloop.serving.errors import APIError, api_error, internal_error, invalid, new_incident_id, validation_error
 from tokenloop.serving.limits import EdgeGuard, ServerLimits
 from tokenloop.serving.sse import DONE_FRAME, EventStreamResponse, frame
+from tokenloop.serving.structured_fields import (final_message, stream_deltas, stream_finish_reason,
+                                                 tool_choice_of)
+from tokenloop.structured.tool_calls import ToolChoice, template_inputs
+from tokenloop.structured.tool_stream import ToolCallStream
 from tokenloop.serving.trace_routes import make_trace_router
 from tokenloop.serving.validation import (EdgeContext, check_context, check_context_lower_bound, check_messages,
                                           check_prompt_token_ids, check_sampling_fields, check_template_kwargs,
@@ -216,6 +220,9 @@ class OpenAIServing:
         return ChatChoiceLogprobs(content=content)
 
     async def _submit(self, specs: list[RequestSpec]) -> RequestStream:
+        spec = specs[0].params.structured_outputs if specs else None
+        if spec is not None:  # compiled (or found in the cache) off the event loop; a bad one is a 400 here
+            await asyncio.to_thread(self.async_engine.engine.structured.compile, spec)
         return await self.async_engine.add_requests(specs)
 
     async def _collect(self, stream: RequestStream, submission: _Submission, raw: Request) -> bool:
@@ -377,7 +384,8 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------
 
-    def _prepare_chat(self, req: ChatCompletionRequest) -> tuple[SamplingParams, str, list[int]]:
+    def _prepare_chat(self, req: ChatCompletionRequest,
+                      ) -> tuple[SamplingParams, str, list[int], ToolChoice | None]:
         """Checks, sampling params and the templated, tokenized conversation (runs off the loop)."""
         check_messages(req.messages)
         check_template_kwargs(req.chat_template_kwargs)
@@ -388,19 +396,22 @@ class OpenAIServing:
                                   "messages")
         try:
             params = req.to_sampling_params()
-            text, token_ids = self.tokenizer.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                                         **(req.chat_template_kwargs or {}))
+            tools = tool_choice_of(req)  # None without tools
+            messages, tool_kwargs = template_inputs(req.messages, tools, self.tokenizer.chat_template)
+            template_kwargs = {**tool_kwargs, **(req.chat_template_kwargs or {})}
+            text, token_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                                         **template_kwargs)
         except InvalidRequestError as exc:
             # The engine speaks of the prompt and max_tokens; the client sent messages and maybe another name.
             param = {"prompt": "messages", "max_tokens": req.max_tokens_param}.get(exc.param or "", exc.param)
             message = re.sub(r"\bmax_tokens\b", req.max_tokens_param, exc.message)
             raise invalid(message, param) from None
         check_context(len(token_ids), params.max_tokens, self.edge, "messages", req.max_tokens_param)
-        return params, text, token_ids
+        return params, text, token_ids, tools
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        params, text, token_ids = await self._off_loop(self._prepare_chat, req)
+        params, text, token_ids, tools = await self._off_loop(self._prepare_chat, req)
         response_id = random_id("chatcmpl")
         spec = RequestSpec(response_id, text, params, prompt_token_ids=token_ids, priority=req.priority,
                            user=req.user, cache_salt=req.cache_salt)
@@ -408,26 +419,29 @@ class OpenAIServing:
         submission = _Submission(response_id, now_s(), [_Prompt(text)], [response_id], params.n)
         num_top = req.top_logprobs or 0
         if req.stream:
-            return EventStreamResponse(self._chat_frames(stream, submission, req, num_top), on_close=stream.abort)
+            return EventStreamResponse(self._chat_frames(stream, submission, req, num_top, tools),
+                                       on_close=stream.abort)
         if not await self._collect(stream, submission, raw):
             return Response(status_code=499)
-        body = await self._off_loop(self._chat_body, submission, req, num_top)
+        body = await self._off_loop(self._chat_body, submission, req, num_top, tools)
         return Response(body, media_type="application/json")
 
-    def _chat_body(self, submission: _Submission, req: ChatCompletionRequest, num_top: int) -> bytes:
+    def _chat_body(self, submission: _Submission, req: ChatCompletionRequest, num_top: int,
+                   tools: ToolChoice | None) -> bytes:
         choices = []
         for index in sorted(submission.choices):
             choice = submission.choices[index]
             _check_finish(choice)
             logprobs = self._chat_logprobs(choice.logprobs, num_top) if req.logprobs else None
-            choices.append(ChatChoice(index=index, message=ChatMessage(content="".join(choice.text)),
-                                      logprobs=logprobs, finish_reason=choice.finish_reason))
+            content, tool_calls, finish = final_message("".join(choice.text), choice.finish_reason, tools)
+            message = ChatMessage(content=content, tool_calls=tool_calls)
+            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish))
         body = ChatCompletionResponse(id=submission.response_id, created=submission.created, model=self.model_name,
                                       choices=choices, usage=submission.usage())
         return body.model_dump_json().encode()
 
     async def _chat_frames(self, stream: RequestStream, submission: _Submission, req: ChatCompletionRequest,
-                           num_top: int) -> AsyncIterator[str]:
+                           num_top: int, tools: ToolChoice | None = None) -> AsyncIterator[str]:
         include_usage = req.include_usage_in_stream
         dump = {} if include_usage else {"exclude": {"usage"}}
 
@@ -437,6 +451,8 @@ class OpenAIServing:
                                                                  finish_reason=finish)])
             return frame(body, **dump)
 
+        # With tools, each choice's text goes through its tool-call parser (content and tool-call deltas).
+        tool_streams = {i: ToolCallStream(tools) for i in range(submission.n)} if tools is not None else {}
         # The role comes first, for every choice, before any token is ready.
         for index in range(submission.n):
             submission.choice(0, index).started = True
@@ -454,6 +470,16 @@ class OpenAIServing:
                         return
                     choice.num_tokens += len(c.token_ids_delta)
                     choice.finish_reason = c.finish_reason
+                    tool_stream = tool_streams.get(c.index)
+                    if tool_stream is not None:
+                        events = tool_stream.feed(c.text_delta)
+                        events += tool_stream.finish() if c.finish_reason is not None else []
+                        for delta in stream_deltas(events):
+                            yield chunk(c.index, DeltaMessage(**delta), None, None)
+                        if c.finish_reason is not None:
+                            finish = stream_finish_reason(tool_stream, c.finish_reason)
+                            yield chunk(c.index, DeltaMessage(), None, finish)
+                        continue
                     if c.text_delta or (req.logprobs and c.logprobs_delta):
                         logprobs = self._chat_logprobs(c.logprobs_delta or [], num_top) if req.logprobs else None
                         yield chunk(c.index, DeltaMessage(content=c.text_delta), logprobs, None)

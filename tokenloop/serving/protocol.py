@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from tokenloop.errors import InvalidRequestError
 from tokenloop.request import SamplingParams
+from tokenloop.serving.structured_fields import DeltaToolCall, ToolCall, structured_outputs_of
 
 
 def random_id(prefix: str) -> str:
@@ -69,6 +70,9 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     priority: int = 0
     cache_salt: str | None = None
+    # Structured outputs (see tokenloop.serving.structured_fields): OpenAI's and vLLM's fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -144,7 +148,9 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequestError("best_of is not supported (other than best_of == n)", param="best_of")
         # With echo, the prompt's own logprobs are part of the answer (OpenAI's behaviour).
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        params = self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        params.structured_outputs = structured_outputs_of(self)
+        return params
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -155,10 +161,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    functions: list[Any] | None = None  # deprecated by OpenAI: refused with a pointer to tools
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None  # deprecated by OpenAI: refused, pointing to tools
     function_call: str | dict[str, Any] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
@@ -167,19 +173,10 @@ class ChatCompletionRequest(_SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
-        if self.tools:
-            raise InvalidRequestError("tools are not supported", param="tools")
-        if self.tool_choice is not None:
-            raise InvalidRequestError("tool_choice is only allowed together with tools", param="tool_choice")
-        if self.functions is not None or self.function_call is not None:
-            param = "functions" if self.functions is not None else "function_call"
-            raise InvalidRequestError(f"{param} is deprecated and not supported: use tools and tool_choice",
-                                      param=param)
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self._sampling_params(max_tokens, logprobs)
+        params.structured_outputs = structured_outputs_of(self)  # response_format, structured_outputs, tools
         return params
 
     @property
@@ -287,6 +284,7 @@ class ChatMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Response):
@@ -311,6 +309,7 @@ class DeltaMessage(_Response):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: Any) -> dict[str, Any]:

@@ -1,0 +1,54 @@
+"""The engine's side of structured outputs: compile a request's spec on arrival, advance its matcher.
+
+The grammar engine is imported and its tokenizer built (~0.2 s) only when the first constrained
+request arrives: unconstrained serving neither loads llguidance nor does any per-step work for it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from tokenloop.errors import TokenloopError
+from tokenloop.structured.spec import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from tokenloop.request import Request
+    from tokenloop.structured.compiler import CompiledGrammar, GrammarCompiler
+    from tokenloop.tokenizer import Tokenizer
+
+
+class GrammarRefusedTokenError(TokenloopError):
+    """A sampled token did not fit the request's grammar (the mask should make this impossible)."""
+
+
+class StructuredOutputs:
+    """Per engine: the grammar cache (built on first use) and the matcher update of each new token."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._cache_size = cache_size
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """The grammar cache, made on first use (thread-safe: the front end compiles ahead of the engine)."""
+        with self._lock:
+            if self._compiler is None:
+                from tokenloop.structured.compiler import GrammarCompiler
+
+                self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._cache_size)
+            return self._compiler
+
+    def compile(self, spec: StructuredOutputsParams | None) -> CompiledGrammar | None:
+        """The compiled grammar of `spec` (cached), None without one; raises InvalidRequestError."""
+        return None if spec is None else self.compiler.compile(spec)
+
+    @staticmethod
+    def accept(request: Request, token_id: int) -> None:
+        """Advance a constrained request's matcher by its newly appended output token."""
+        matcher = request.structured
+        if matcher is not None and not matcher.accept(token_id):
+            raise GrammarRefusedTokenError(f"token {token_id} does not fit the grammar: {matcher.error}")
