@@ -64,7 +64,10 @@ def test_every_output_validates_batched_with_unconstrained_neighbours(llm: LLM, 
     assert finishes["stop"] >= 80, finishes
 
 
-def test_constrained_greedy_alone_equals_batched(llm: LLM) -> None:
+def test_constrained_greedy_alone_equals_batched(smollm2_checkpoint) -> None:
+    # Exact equality across batch shapes holds for fp32 weights (DESIGN: "exact on fp32"); the default dtype
+    # picks bf16 or packed kernels whose rounding depends on how many rows share a step.
+    llm = LLM(checkpoint=smollm2_checkpoint, max_num_seqs=64, max_num_batched_tokens=1024, dtype="float32")
     picked = SCHEMAS[:2]
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(json=s))
               for s in picked]
