@@ -33,7 +33,6 @@ from tokenloop.tracing import Tracer
 logger = logging.getLogger(__name__)
 
 
-
 def _child_seed(seed: int | None, index: int) -> int | None:
     """Sample `index`'s seed: the request's seed plus the index, kept inside torch's 64-bit seed range."""
     if seed is None:
