@@ -19,7 +19,7 @@ import torch
 
 from tokenloop.config import EngineConfig
 from tokenloop.core.kv_cache import KVCacheManager
-from tokenloop.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
 from tokenloop.errors import InvalidRequestError
 from tokenloop.model.dtypes import CpuFeatures, build_model, resolve_dtype
 from tokenloop.model.loader import Checkpoint, load_checkpoint
@@ -376,29 +376,46 @@ class LLMEngine:
         """
         try:
             return schedule, self.runner.execute(schedule)
-        except Exception:  # noqa: BLE001 - isolate below
+        except Exception as exc:  # noqa: BLE001 - isolate below
             logger.exception("model forward failed for a batch of %d request(s)", len(schedule.scheduled))
-        survivors = []
-        for item in schedule.scheduled:
-            alone = dataclasses.replace(schedule, scheduled=[item], num_batched_tokens=item.num_tokens)
-            try:
-                self.runner.execute(alone)
-            except Exception:  # noqa: BLE001 - this request's forward fails: it ends with an error
-                logger.exception("model forward failed for request %s", item.request_id)
-                self._record_failure(item.request, touched, "running the model on")
-                continue
-            survivors.append(item)
+            first_error = exc
+        items = schedule.scheduled
+        middle = len(items) // 2
+        failing = (self._failing_items(schedule, items[:middle]) + self._failing_items(schedule, items[middle:])
+                   if len(items) > 1 else [(items[0], first_error)])
+        for item, cause in failing:
+            self._record_failure(item.request, touched, "running the model on", cause)
+        failed = {id(item) for item, _ in failing}
+        survivors = [item for item in items if id(item) not in failed]
         if not survivors:
             return schedule, None
-        rest = dataclasses.replace(schedule, scheduled=survivors,
-                                   num_batched_tokens=sum(item.num_tokens for item in survivors))
+        rest = self._sub_schedule(schedule, survivors)
         try:
             return rest, self.runner.execute(rest)
-        except Exception:  # noqa: BLE001 - fails only together: give up on all of them
+        except Exception as exc:  # noqa: BLE001 - fails only together: give up on all of them
             logger.exception("model forward failed again for the remaining batch")
             for item in survivors:
-                self._record_failure(item.request, touched, "running the model on")
+                self._record_failure(item.request, touched, "running the model on", exc)
             return rest, None
+
+    def _failing_items(self, schedule: SchedulerOutput, items: list[ScheduledRequest],
+                       ) -> list[tuple[ScheduledRequest, BaseException]]:
+        """The items whose forward fails, by bisection: one culprit in B costs ~2 log2(B) smaller forwards."""
+        if not items:
+            return []
+        try:
+            self.runner.execute(self._sub_schedule(schedule, items))
+            return []
+        except Exception as exc:  # noqa: BLE001 - narrowed down below
+            if len(items) == 1:
+                logger.exception("model forward failed for request %s", items[0].request_id)
+                return [(items[0], exc)]
+        middle = len(items) // 2
+        return self._failing_items(schedule, items[:middle]) + self._failing_items(schedule, items[middle:])
+
+    @staticmethod
+    def _sub_schedule(schedule: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:
+        return dataclasses.replace(schedule, scheduled=items, num_batched_tokens=sum(i.num_tokens for i in items))
 
     def _sample_isolated(self, logits: torch.Tensor, requests: list[Request], touched: dict[str, _Group],
                          ) -> list[tuple[Request, int, TokenLogprobs | None]]:
@@ -419,20 +436,21 @@ class LLMEngine:
             sampled.append((request, out.token_ids[0], out.logprobs[0]))
         return sampled
 
-    def _record_failure(self, request: Request, touched: dict[str, _Group], stage: str | None = None) -> None:
+    def _record_failure(self, request: Request, touched: dict[str, _Group], stage: str | None = None,
+                        cause: BaseException | None = None) -> None:
         """Fail `request` (unless the scheduler already did) and mark its group for an output this step."""
         entry = self._samples.get(request.request_id)
         if stage is not None:
-            self._fail_request(request, stage)
+            self._fail_request(request, stage, cause)
         elif self.tracer is not None and self.tracer.enabled:
             now = self.clock()
             self.tracer.on_release(request, [], now, now)
         if entry is not None:
             touched[entry[0].request_id] = entry[0]
 
-    def _fail_request(self, request: Request, stage: str) -> None:
+    def _fail_request(self, request: Request, stage: str, cause: BaseException | None = None) -> None:
         # The exception is this request's own (isolated above): its text may help an offline caller.
-        cause = sys.exc_info()[1]
+        cause = cause if cause is not None else sys.exc_info()[1]
         detail = f" ({type(cause).__name__}: {str(cause)[:200]})" if cause is not None else ""
         request.error = f"the server failed while {stage} this request{detail}"
         if request.times.finished is None:

@@ -372,16 +372,11 @@ def test_metrics(server: LiveServer) -> None:
 
 # ---- failures -------------------------------------------------------------------------------------
 
-def _fail_once(target: object, name: str, times: int = 1) -> None:
-    """Make `target.name` raise on its next `times` calls, then work again."""
+def _fail_once(target: object, name: str) -> None:
     original = getattr(target, name)
-    left = times
 
     def broken(*args: Any, **kwargs: Any) -> Any:
-        nonlocal left
-        left -= 1
-        if left <= 0:
-            setattr(target, name, original)
+        setattr(target, name, original)
         raise RuntimeError("injected failure")
 
     setattr(target, name, broken)
@@ -390,18 +385,17 @@ def _fail_once(target: object, name: str, times: int = 1) -> None:
 @pytest.mark.parametrize("where", ["forward", "step"])
 def test_engine_failure_is_a_500_and_the_next_request_works(server: LiveServer, where: str) -> None:
     body = {"prompt": "hello", "max_tokens": 3, "ignore_eos": True}
-    # A forward that fails for the batch and again for the request alone fails that request (the engine
-    # retries it alone to find whose forward fails); a scheduler failure escapes step() and fails the batch.
+    # A forward failing for a batch of one fails that request (a larger batch is bisected to find whose
+    # forward fails); a scheduler failure escapes step() and fails the batch.
     target = ("runner", "execute") if where == "forward" else ("scheduler", "schedule")
-    times = 2 if where == "forward" else 1
-    server.on_engine(lambda e: _fail_once(getattr(e, target[0]), target[1], times))
+    server.on_engine(lambda e: _fail_once(getattr(e, target[0]), target[1]))
     r = server.client.post("/v1/completions", json=body)
     assert r.status_code == 500, r.text
     assert r.json()["error"]["type"] == "server_error"
     assert_alive(server)
     server.wait_idle()
 
-    server.on_engine(lambda e: _fail_once(getattr(e, target[0]), target[1], times))
+    server.on_engine(lambda e: _fail_once(getattr(e, target[0]), target[1]))
     events = read_stream(server.client, "/v1/chat/completions", {"messages": CHAT, "stream": True, **body})
     assert events[-1] == "[DONE]"
     assert "error" in events[-2] and events[-2]["error"]["type"] == "server_error"
