@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serving.conftest import MODEL, LiveServer
+from tests.serving.conftest import MODEL, LiveServer, wait_for_health
 from tests.serving.hostile_util import (
     AUTH,
     JSON_HEADERS,
@@ -914,17 +914,7 @@ def test_api_key_not_on_the_command_line(tiny_model_dir: Path, tmp_path: Path, s
                                text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"server exited with {process.returncode}:\n{process.stdout.read()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become healthy"
-            time.sleep(0.2)
+        wait_for_health(url, process, timeout_s=90)
         assert KEY not in Path(f"/proc/{process.pid}/cmdline").read_text()
         with httpx.Client(base_url=url, timeout=30) as client:
             for path in ("/v1/models", "/v1/dashboard/state", "/v1/trace"):

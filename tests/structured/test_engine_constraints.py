@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import TINY_PROMPTS
+from tests.test_engine import make_llm
 from tokenloop import LLM, SamplingParams
 from tokenloop.errors import InvalidRequestError
 from tokenloop.model.loader import Checkpoint
@@ -22,14 +23,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
           "required": ["name", "age", "tags"], "additionalProperties": False}
-
-
-def make_llm(tiny: Checkpoint, **options) -> LLM:
-    options.setdefault("max_num_seqs", 16)
-    options.setdefault("max_num_batched_tokens", 256)
-    options.setdefault("block_size", 4)
-    options.setdefault("num_blocks", 256)
-    return LLM(str(tiny.path), checkpoint=tiny, **options)
 
 
 def params(spec: SO, **kw) -> SamplingParams:
