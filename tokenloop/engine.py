@@ -375,6 +375,7 @@ class LLMEngine:
         Rerunning is safe: a forward only writes the K/V of its own slots, and writes the same values again.
         """
         try:
+            self.runner.apply_block_diffs(schedule)
             return schedule, self.runner.execute(schedule)
         except Exception as exc:  # noqa: BLE001 - isolate below
             logger.exception("model forward failed for a batch of %d request(s)", len(schedule.scheduled))

@@ -47,6 +47,25 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = model.device
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        self._tables: dict[str, list[int]] = {}  # request id -> its block table, kept up to date by diffs
+
+    def apply_block_diffs(self, output: SchedulerOutput) -> None:
+        """Bring the persistent block tables up to this step: drop released requests, append new blocks.
+
+        Called once per step before `execute` (which may run more than once for one step when a forward
+        fails and the engine isolates the culprit).
+        """
+        tables = self._tables
+        for request_id in output.released_request_ids:
+            tables.pop(request_id, None)
+        for item in output.scheduled:
+            if item.admitted:
+                tables[item.request_id] = list(item.new_block_ids)
+            elif item.new_block_ids:
+                tables[item.request_id].extend(item.new_block_ids)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self._tables.get(request_id, [])
 
     @property
     def last_weight_form(self) -> str:
@@ -68,7 +87,8 @@ class ModelRunner:
         logits_rows: list[int] = []
         sample_indices: list[int] = []
         prompt_rows: list[tuple[str, int, int, int]] = []  # request id, first target, first row, count
-        width = max(len(item.block_ids) for item in output.scheduled)
+        tables = [self._tables[item.request_id] for item in output.scheduled]
+        width = max(len(t) for t in tables)
         table = torch.zeros(len(output.scheduled), width, dtype=torch.long)
 
         for row, item in enumerate(output.scheduled):
@@ -76,8 +96,8 @@ class ModelRunner:
             start, n = item.num_computed_tokens, item.num_tokens
             end = start + n
             input_ids.extend(request.all_token_ids[start:end])
-            blocks = torch.tensor(item.block_ids, dtype=torch.long)
-            table[row, :len(item.block_ids)] = blocks
+            blocks = torch.tensor(tables[row], dtype=torch.long)
+            table[row, :len(blocks)] = blocks
             pos = torch.arange(start, end)
             positions.append(pos)
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)

@@ -47,6 +47,7 @@ class Harness:
         self.max_model_len = max_model_len
         self.rng = random.Random(seed)
         self.contents: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.tables: dict[str, list[int]] = {}  # block tables as a runner rebuilds them from the diffs
         self.requests: dict[str, Request] = {}
         self.next_id = 0
 
@@ -100,15 +101,27 @@ class Harness:
             assert end <= request.num_tokens and item.samples == (end == request.num_tokens)
             if config.enable_chunked_prefill and config.long_prefill_token_threshold:
                 assert item.num_tokens <= config.long_prefill_token_threshold
-            assert item.block_ids == self.kv.get_block_ids(request.request_id)
-            assert len(item.block_ids) * size >= end, "blocks do not cover the step's tokens"
+        # The diffs (released ids, new block ids) rebuild exactly the manager's tables, as a runner would.
+        for request_id in out.released_request_ids:
+            self.tables.pop(request_id, None)
+        for item in out.scheduled:
+            if item.admitted:
+                self.tables[item.request_id] = list(item.new_block_ids)
+            else:
+                self.tables[item.request_id].extend(item.new_block_ids)
+            table = self.tables[item.request_id]
+            end = item.num_computed_tokens + item.num_tokens
+            assert table == self.kv.get_block_ids(item.request_id) and item.num_blocks == len(table)
+            assert len(table) * size >= end, "blocks do not cover the step's tokens"
         # The fake forward: write every scheduled token's K/V, then check every position attention reads.
         for item in out.scheduled:
+            table = self.tables[item.request_id]
             for pos in range(item.num_computed_tokens, item.num_computed_tokens + item.num_tokens):
-                self.contents[item.block_ids[pos // size]][pos % size] = item.request.all_token_ids[pos]
+                self.contents[table[pos // size]][pos % size] = item.request.all_token_ids[pos]
         for item in out.scheduled:
+            table = self.tables[item.request_id]
             for pos in range(item.num_computed_tokens + item.num_tokens):
-                assert self.contents[item.block_ids[pos // size]][pos % size] == item.request.all_token_ids[pos], \
+                assert self.contents[table[pos // size]][pos % size] == item.request.all_token_ids[pos], \
                     f"{item.request_id} would read a wrong K/V at position {pos}"
         self.kv.check_invariants(self.live())
         sched.update_from_output(out)

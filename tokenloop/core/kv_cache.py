@@ -134,6 +134,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self._index: dict[int, KVBlock] = {}
         self.evictions = 0  # cached hashes dropped because their block was taken for new tokens
+        self.num_cached_free = 0  # free blocks that still carry a hash: reusable by a prefix hit
 
     @property
     def num_free(self) -> int:
@@ -162,6 +163,7 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
+                self.num_cached_free -= 1
                 del self._index[block.block_hash]
                 block.block_hash = None
                 self.evictions += 1
@@ -174,6 +176,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free -= 1
             block.ref_cnt += 1
 
     def publish(self, block: KVBlock, block_hash: int) -> bool:
@@ -197,6 +201,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 if block.block_hash is not None:
                     self.free_queue.append(block)
+                    self.num_cached_free += 1
                 else:
                     self.free_queue.appendleft(block)
 
@@ -224,12 +229,28 @@ class BlockPool:
                f"free ({len(seen)}) + referenced ({referenced}) != total ({self.num_blocks})")
         for block_hash, block in self._index.items():
             _check(block.block_hash == block_hash, f"cached hash {block_hash:#x} resolves to a block without it")
+        cached_free = sum(1 for block in self.blocks if block.ref_cnt == 0 and block.block_hash is not None)
+        _check(cached_free == self.num_cached_free,
+               f"num_cached_free is {self.num_cached_free} but {cached_free} free blocks carry a hash")
 
 
 def _check(condition: bool, message: str) -> None:
     # Not `assert`: the checks must still run under `python -O`.
     if not condition:
         raise AssertionError(message)
+
+
+@dataclass(frozen=True)
+class BlockRelease:
+    """What dropping one request's references did: its table, and where each of its blocks ended up."""
+
+    block_ids: list[int]
+    num_freed: int  # refcount 0 and no hash: plain free blocks, taken first
+    num_kept_cached: int  # refcount 0 but hashed: reusable by a later prefix hit until evicted
+    num_still_shared: int  # still referenced by other requests
+
+
+_NOTHING_RELEASED = BlockRelease([], 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -363,7 +384,7 @@ class KVCacheManager:
             self._publish_full_blocks(request, table, min(total_tokens, request.num_tokens))
         return new_blocks
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request) -> BlockRelease:
         """Drop every block reference the request holds; its cached blocks stay reusable until evicted.
 
         Blocks are released tail first, so the tail of a sequence sits nearer the front of the free queue
@@ -371,8 +392,18 @@ class KVCacheManager:
         """
         table = self._tables.pop(request.request_id, None)
         self._num_published.pop(request.request_id, None)
-        if table:
-            self.pool.release(reversed(table))
+        if not table:
+            return _NOTHING_RELEASED
+        self.pool.release(reversed(table))
+        freed = kept = shared = 0
+        for block in table:
+            if block.ref_cnt > 0:
+                shared += 1
+            elif block.block_hash is not None:
+                kept += 1
+            else:
+                freed += 1
+        return BlockRelease([block.block_id for block in table], freed, kept, shared)
 
     # ---- reading -----------------------------------------------------------------------------------
 
@@ -382,6 +413,10 @@ class KVCacheManager:
 
     def get_blocks(self, request_id: str) -> list[KVBlock]:
         return list(self._tables.get(request_id, ()))
+
+    def num_blocks_held(self, request_id: str) -> int:
+        table = self._tables.get(request_id)
+        return len(table) if table is not None else 0
 
     def holds_blocks(self, request_id: str) -> bool:
         return request_id in self._tables

@@ -11,11 +11,12 @@ never preempts anyone: when it does not fit, admission stops for the step.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tokenloop.config import SchedulerConfig
-from tokenloop.core.kv_cache import KVCacheManager
+from tokenloop.core.kv_cache import BlockRelease, KVCacheManager
 from tokenloop.core.policy import Policy, make_policy
 from tokenloop.errors import CapacityError, InvalidRequestError
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
@@ -23,15 +24,24 @@ from tokenloop.request import Clock, Request, RequestStatus, default_clock
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
-    """One request's share of a step: tokens at positions [num_computed_tokens, + num_tokens)."""
+    """One request's share of a step: tokens at positions [num_computed_tokens, + num_tokens).
+
+    Block tables travel as diffs: `new_block_ids` are appended to the request's table this step. On an
+    admission (or a resume after preemption) the table starts empty, so they are the whole table: the
+    `num_reused_blocks` prefix-cache hits first, then the blocks taken for new tokens.
+    """
 
     request: Request
     num_tokens: int
     num_computed_tokens: int  # the request's computed tokens when scheduled: the first position to compute
     samples: bool  # the step reaches the end of the request's known tokens, so it samples the next one
-    block_ids: list[int]  # the request's block table after this step's allocation
+    new_block_ids: list[int]
+    num_blocks: int  # blocks in the request's table after this step's allocation
+    admitted: bool = False  # first allocation since it held no blocks (admitted or resumed)
+    num_reused_blocks: int = 0
+    prefix_hit_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -46,6 +56,10 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # ended with an error while being scheduled
     num_batched_tokens: int = 0
+    # Requests whose block tables are gone since the last schedule (finished, aborted, preempted), so a
+    # runner keeping persistent tables drops their rows before this step's diffs are applied.
+    released_request_ids: list[str] = field(default_factory=list)
+    kv_ns: int = 0  # time spent in KV lookups and allocations inside schedule()
 
     @property
     def is_empty(self) -> bool:
@@ -94,6 +108,9 @@ class Scheduler:
         self._running: dict[str, Request] = {}
         self._waiting: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._num_preempted_waiting = 0  # a counter, so stats() never scans the queue
+        self._released_ids: list[str] = []  # for the next SchedulerOutput
+        self._releases: list[tuple[Request, BlockRelease, int, int]] = []  # (request, release, start, end ns)
 
     # ---- queues ------------------------------------------------------------------------------------
 
@@ -123,7 +140,7 @@ class Scheduler:
         return SchedulerStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
-            num_preempted_waiting=sum(1 for r in self._waiting.values() if r.status is RequestStatus.PREEMPTED),
+            num_preempted_waiting=self._num_preempted_waiting,
             num_preemptions=self.num_preemptions,
             kv_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks,
@@ -183,12 +200,22 @@ class Scheduler:
         request = self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
         if request is None:
             return None
+        if request.status is RequestStatus.PREEMPTED:
+            self._num_preempted_waiting -= 1
         request.status = status
         if request.times.finished is None:
             request.times.finished = self.clock()
-        self.kv_cache.free(request)
+        start = self.clock()
+        release = self.kv_cache.free(request)
+        self._releases.append((request, release, start, self.clock()))
+        self._released_ids.append(request_id)
         self.policy.on_finished(request)
         return request
+
+    def take_releases(self) -> list[tuple[Request, BlockRelease, int, int]]:
+        """Requests finished since the last call, each with what its release did and when (start, end ns)."""
+        releases, self._releases = self._releases, []
+        return releases
 
     # ---- one step ----------------------------------------------------------------------------------
 
@@ -201,6 +228,8 @@ class Scheduler:
         """Preempt by recompute: drop its blocks; it waits again and recomputes from scratch."""
         del self._running[request.request_id]
         self.kv_cache.free(request)
+        self._released_ids.append(request.request_id)
+        self._num_preempted_waiting += 1
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -215,14 +244,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         output = SchedulerOutput()
         scheduled_ids: set[str] = set()
+        kv_ns = 0
+        timer = time.perf_counter_ns
 
-        def add(request: Request, n: int) -> None:
+        def add(request: Request, n: int, new_block_ids: list[int], admitted: bool = False,
+                num_reused: int = 0, hit_tokens: int = 0) -> None:
             nonlocal budget
             start = request.num_computed_tokens
             policy.on_scheduled(request, n)
             output.scheduled.append(ScheduledRequest(
-                request=request, num_tokens=n, num_computed_tokens=start,
-                samples=start + n == request.num_tokens, block_ids=kv.get_block_ids(request.request_id)))
+                request, n, start, start + n == request.num_tokens, new_block_ids,
+                kv.num_blocks_held(request.request_id), admitted, num_reused, hit_tokens))
             scheduled_ids.add(request.request_id)
             budget -= n
 
@@ -236,7 +268,12 @@ class Scheduler:
                 n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
                 if n <= 0:
                     continue  # nothing known left to compute (the caller has not appended a token yet)
-                while kv.allocate(request, n) is None:
+                while True:
+                    begin = timer()
+                    new_blocks = kv.allocate(request, n)
+                    kv_ns += timer() - begin
+                    if new_blocks is not None:
+                        break
                     candidates = [r for r in self._running.values() if r.request_id not in scheduled_ids]
                     victim = self._victim(candidates, now)
                     self._preempt(victim)
@@ -244,7 +281,7 @@ class Scheduler:
                     if victim is request:
                         break
                 if request.request_id in self._running:
-                    add(request, n)
+                    add(request, n, [b.block_id for b in new_blocks] if new_blocks else [])
             except Exception:  # noqa: BLE001 - logged and turned into this request's error
                 self._fail_request(request, "scheduling", output)
 
@@ -256,7 +293,9 @@ class Scheduler:
                 if request.request_id not in self._waiting:
                     continue
                 try:
+                    begin = timer()
                     computed_blocks, num_hit = kv.get_computed_blocks(request)
+                    kv_ns += timer() - begin
                 except Exception:  # noqa: BLE001 - e.g. a cache salt that cannot be hashed
                     self._fail_request(request, "looking up the prefix cache for", output)
                     continue
@@ -271,20 +310,28 @@ class Scheduler:
                 else:
                     break  # it waits for a step with room for all of it
                 try:
-                    if kv.allocate(request, n, computed_blocks, num_hit) is None:
+                    begin = timer()
+                    new_blocks = kv.allocate(request, n, computed_blocks, num_hit)
+                    kv_ns += timer() - begin
+                    if new_blocks is None:
                         break  # waiting requests never preempt; later ones must not overtake it either
                     del self._waiting[request.request_id]
                     self._running[request.request_id] = request
+                    if request.status is RequestStatus.PREEMPTED:
+                        self._num_preempted_waiting -= 1
                     request.status = RequestStatus.RUNNING
                     request.num_computed_tokens = num_hit
                     if request.times.first_scheduled is None:
                         request.times.first_scheduled = now
                         request.num_cached_tokens = num_hit
-                    add(request, n)
+                    add(request, n, [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks],
+                        True, len(computed_blocks), num_hit)
                 except Exception:  # noqa: BLE001 - logged and turned into this request's error
                     self._fail_request(request, "admitting", output)
 
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        output.kv_ns = kv_ns
+        output.released_request_ids, self._released_ids = self._released_ids, []
         return output
 
     # ---- fault isolation -----------------------------------------------------------------------------
@@ -332,7 +379,8 @@ class Scheduler:
             self._running.pop(request.request_id, None)
             self._waiting.pop(request.request_id, None)
             request.status = RequestStatus.FINISHED_ERROR
-            self.kv_cache.free(request)
+            self._released_ids.append(request.request_id)
+            self._releases.append((request, self.kv_cache.free(request), self.clock(), self.clock()))
         output.failed.append(request)
 
     def update_from_output(self, output: SchedulerOutput) -> None:

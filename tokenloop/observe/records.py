@@ -1,0 +1,203 @@
+"""What the engine reports, as data: one `StepRecord` per step, a `ReleaseInfo` per ended request.
+
+The engine core builds these and hands them to observers (the tracer, the Prometheus collector, a
+simulator's calibration); observers never hold the engine or call back into it. Every field is a plain
+value (ints, strings, lists), so a record crosses a process boundary as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    """One request's share of one step: positions [start, start + num_tokens), and its KV grant."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    num_prompt_tokens: int
+    samples: bool  # the chunk reaches the end of the request's known tokens: the step samples for it
+    new_block_ids: list[int]  # blocks appended to its table this step (an admission: reused ones first)
+    num_reused_blocks: int  # leading entries of new_block_ids that came from the prefix cache
+    prefix_hit_tokens: int
+    admitted: bool  # its first allocation since it held no blocks: admitted, or resumed after preemption
+    num_blocks: int  # blocks in its table after this step's allocation
+
+    @property
+    def reused_block_ids(self) -> list[int]:
+        return self.new_block_ids[:self.num_reused_blocks]
+
+    @property
+    def allocated_block_ids(self) -> list[int]:
+        """Blocks taken from the free queue for new tokens (not prefix hits)."""
+        return self.new_block_ids[self.num_reused_blocks:]
+
+
+@dataclass(slots=True)
+class ReleaseInfo:
+    """A request ended and dropped its block references; where those blocks went, and its life in brief."""
+
+    request_id: str
+    status: str  # RequestStatus value: finished_stopped, finished_length, finished_aborted, finished_error
+    finish_reason: str | None  # stop, length, abort, error
+    stop_reason: int | str | None
+    error: str | None
+    block_ids: list[int]  # its table before the release
+    num_freed: int  # refcount 0 and no hash: plain free blocks
+    num_kept_cached: int  # refcount 0 but hashed: reusable by a later prefix hit until evicted
+    num_still_shared: int  # still referenced by other requests
+    start_ns: int  # the release itself
+    end_ns: int
+    arrival_ns: int
+    first_scheduled_ns: int | None
+    first_token_ns: int | None
+    last_token_ns: int | None
+    finished_ns: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class StepGauges:
+    """Queue and pool state at the end of a step (cumulative counters included)."""
+
+    num_running: int
+    num_waiting: int  # preempted ones included
+    num_preempted_waiting: int
+    num_blocks: int
+    block_size: int
+    num_free_blocks: int  # not referenced (cached or not)
+    num_cached_free_blocks: int  # not referenced but still hashed: reusable
+    prefix_cache_queries: int  # tokens, cumulative
+    prefix_cache_hits: int
+    evictions: int
+    num_preemptions: int  # cumulative
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One step of the loop on the engine clock (ns): stage boundaries and what each stage did.
+
+    Stages tile [start_ns, end_ns]: schedule (kv_ns of it in KV lookups and allocations), execute
+    (forward_ns of it in the model forward), sample, update (release_ns of it releasing finished requests).
+    """
+
+    index: int
+    start_ns: int
+    schedule_end_ns: int
+    execute_end_ns: int
+    sample_end_ns: int  # the instant the step's tokens are stamped with
+    end_ns: int
+    kv_ns: int
+    forward_ns: int
+    release_ns: int
+    num_batched_tokens: int
+    scheduled: list[ScheduledChunk]
+    preempted: list[str]  # request ids preempted (by recompute) in this step's scheduling
+    sampled_ids: list[str]  # sampled_ids[i] drew sampled_tokens[i]
+    sampled_tokens: list[int]
+    releases: list[ReleaseInfo]  # requests that ended in this step (stopped, length, error)
+    gauges: StepGauges
+    weight_form: str = ""  # the form the projections ran in (int4, bfloat16, ...)
+
+    @property
+    def num_scheduled(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.scheduled if c.start < c.num_prompt_tokens)
+
+    def stage_ns(self) -> dict[str, int]:
+        """Duration of each stage; they add up to `end_ns - start_ns`."""
+        return {
+            "schedule": self.schedule_end_ns - self.start_ns - self.kv_ns,
+            "kv": self.kv_ns,
+            "execute": self.execute_end_ns - self.schedule_end_ns,
+            "sample": self.sample_end_ns - self.execute_end_ns,
+            "update": self.end_ns - self.sample_end_ns - self.release_ns,
+            "release": self.release_ns,
+        }
+
+
+@dataclass(slots=True)
+class ArrivalRecord:
+    """A request (one sample of a user request) joined the engine's queue."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    max_tokens: int | None
+    arrival_ns: int
+    queued_ns: int
+    num_waiting: int  # the queue's length once it joined
+
+
+@dataclass
+class EngineObserver:
+    """Receives the engine's records; every method is optional (the defaults ignore the record).
+
+    Called on the thread that runs the loop (or, across a process boundary, the thread that receives
+    the records): keep the work short, and copy under your own lock what other threads read.
+    """
+
+    def on_arrival(self, record: ArrivalRecord) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def on_step(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def on_release(self, records: list[ReleaseInfo]) -> None:  # noqa: B027 - optional hook
+        """Requests that ended outside a step (aborted between steps)."""
+
+
+class Observes(Protocol):
+    def on_arrival(self, record: ArrivalRecord) -> None: ...
+
+    def on_step(self, record: StepRecord) -> None: ...
+
+    def on_release(self, records: list[ReleaseInfo]) -> None: ...
+
+
+@dataclass
+class ObserverSet:
+    """Fan a record out to every observer; one observer's bug is logged, never raised into the loop."""
+
+    observers: list[Observes] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.observers)
+
+    def add(self, observer: Observes) -> None:
+        self.observers.append(observer)
+
+    def arrival(self, record: ArrivalRecord) -> None:
+        for observer in self.observers:
+            _safely(observer.on_arrival, record)
+
+    def step(self, record: StepRecord) -> None:
+        for observer in self.observers:
+            _safely(observer.on_step, record)
+
+    def release(self, records: list[ReleaseInfo]) -> None:
+        if records:
+            for observer in self.observers:
+                _safely(observer.on_release, records)
+
+
+def _safely(hook: object, record: object) -> None:
+    try:
+        hook(record)  # type: ignore[operator]
+    except Exception:  # noqa: BLE001 - an observer must never take the loop down
+        import logging
+
+        logging.getLogger(__name__).exception("observer %r failed on %s", hook, type(record).__name__)
