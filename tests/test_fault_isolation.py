@@ -101,12 +101,12 @@ def inject(engine: LLMEngine, stage: str) -> None:
 
         sampler.sample = sample
     elif stage in ("update", "detokenize"):
-        _, victim = engine._samples[VICTIM]  # noqa: SLF001 - the test reaches the victim's own decoder
-        if stage == "update":
-            victim.request.append_output_token = _raise_for(lambda token: victim.request,
-                                                            victim.request.append_output_token)
-        else:
-            victim.detokenizer.update = _raise_for(lambda *a, **k: victim.request, victim.detokenizer.update)
+        request = engine.core._requests[VICTIM]  # noqa: SLF001 - the test reaches the victim's own state
+        if stage == "update":  # the core's update: append and stop checks
+            request.append_output_token = _raise_for(lambda token: request, request.append_output_token)
+        else:  # the front end's update: text and stop strings
+            _, sample = engine.outputs._samples[VICTIM]  # noqa: SLF001
+            sample.detokenizer.update = _raise_for(lambda *a, **k: request, sample.detokenizer.update)
     else:
         raise AssertionError(stage)
 

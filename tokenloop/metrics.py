@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tokenloop.core.scheduler import SchedulerStats
-from tokenloop.engine import RequestMetrics, RequestOutput, StepStats
+from tokenloop.observe.records import StepRecord
+from tokenloop.outputs import RequestMetrics, RequestOutput
 
 PREFIX = "tokenloop:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -115,9 +116,9 @@ class EngineMetrics:
         self._preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
         self._last = _Cumulative(stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
 
-    def observe_step(self, step: StepStats, outputs: Iterable[RequestOutput]) -> None:
+    def observe_step(self, step: StepRecord | None, outputs: Iterable[RequestOutput]) -> None:
         """Record one step: tokens it computed and tokens it generated."""
-        if step.num_batched_tokens > 0:
+        if step is not None and step.num_batched_tokens > 0:
             self._iteration_tokens.observe(step.num_batched_tokens)
         generated = sum(len(c.token_ids_delta) for output in outputs for c in output.outputs)
         if generated:

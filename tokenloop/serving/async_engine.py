@@ -338,7 +338,7 @@ class AsyncEngine:
                 if busy:
                     self._step()
                     busy = engine.has_unfinished_requests()
-                    if busy and engine.last_step.num_scheduled == 0:
+                    if busy and engine.last_num_scheduled == 0:
                         with self._wakeup:  # nothing fit this step: wait a little for a change
                             if not self._commands:
                                 self._wakeup.wait(_NOTHING_SCHEDULED_WAIT_S)
@@ -439,7 +439,7 @@ class AsyncEngine:
                     metrics.observe_finished(reason, output.metrics)
             deliveries.append((live.stream, output))
         if metrics is not None:
-            metrics.observe_step(self.engine.last_step, outputs)
+            metrics.observe_step(None, outputs)
         self._refresh_stats()
         self._deliver(deliveries)
 

@@ -1,0 +1,399 @@
+"""EngineCore: the serving loop over one model, token ids in and token ids out.
+
+One `step()` goes once around the loop:
+
+    schedule -> execute -> sample -> update -> release -> record
+
+Scheduling includes the KV stage (prefix hits, allocation, preemption); the update appends each sampled
+token and stops a request by EOS, stop token ids, its grammar or its length (stop strings are text: the
+front end finds them and finishes the request here). Each step ends with one `StepRecord` handed to the
+observers; nothing they do reaches back into the loop. The same class runs in-process (the offline `LLM`)
+and inside the server's engine process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from tokenloop.config import EngineConfig
+from tokenloop.core.kv_cache import KVCacheManager
+from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
+from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
+from tokenloop.errors import InvalidRequestError
+from tokenloop.model.dtypes import CpuFeatures, build_model, resolve_dtype
+from tokenloop.model.loader import Checkpoint, load_checkpoint
+from tokenloop.observe.records import (
+    ArrivalRecord,
+    ObserverSet,
+    Observes,
+    ReleaseInfo,
+    ScheduledChunk,
+    StepGauges,
+    StepRecord,
+)
+from tokenloop.request import Clock, Request, RequestStatus, default_clock
+from tokenloop.runner import ModelRunner, RunnerOutput
+from tokenloop.sampler import Sampler, TokenLogprobs
+from tokenloop.structured.engine_hooks import StructuredOutputs
+
+logger = logging.getLogger(__name__)
+
+_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
+                  "abort": RequestStatus.FINISHED_ABORTED, "error": RequestStatus.FINISHED_ERROR}
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """What the current step has produced for one request so far (its CoreOutput in the making)."""
+
+    output: CoreOutput
+    request: Request
+
+
+class EngineCore:
+    """Scheduler, KV cache, runner and sampler for one model: `add_request`, `finish_requests`, `step`."""
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
+                 clock: Clock = default_clock, observers: Sequence[Observes] = ()) -> None:
+        self.config = config
+        self.clock = clock
+        self.observers = ObserverSet(list(observers))
+        checkpoint = checkpoint or load_checkpoint(config.model, keep_quantized=True)
+        self.checkpoint = checkpoint
+        model_config = checkpoint.config
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_id = checkpoint.tokenizer.eos_token_id
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.dtype_choice = resolve_dtype(config.dtype, config.weight_dtype, config.device,
+                                          checkpoint.is_quantized, CpuFeatures.detect())
+        logger.info("dtype: %s", self.dtype_choice.describe())
+        self.model = build_model(model_config, checkpoint.weights, self.dtype_choice, config.device,
+                                 self.max_model_len)
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_blocks or max(
+            1, config.cache.kv_cache_memory_bytes // self.model.kv_bytes_per_block(block_size))
+        if num_blocks * block_size < self.max_model_len:
+            # A request may grow to max_model_len; a pool smaller than that could never hold it alone.
+            logger.info("max_model_len %d exceeds the KV cache (%d tokens); lowering it to fit",
+                        self.max_model_len, num_blocks * block_size)
+            self.max_model_len = num_blocks * block_size
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock)
+        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
+        self.structured = StructuredOutputs(checkpoint.tokenizer, model_config.vocab_size)
+        self._requests: dict[str, Request] = {}  # unfinished requests by id
+        self._prompt_logprobs_sent: dict[str, int] = {}  # prompt positions already reported, per request
+        self.num_steps = 0
+
+    # ---- requests in -----------------------------------------------------------------------------
+
+    def validate(self, request: CoreRequest) -> None:
+        """Raise InvalidRequestError for what this core can never run (ids outside the vocabulary...)."""
+        vocab = self.vocab_size
+        ids = request.prompt_token_ids
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
+        for token in ids:
+            if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
+                raise InvalidRequestError(f"prompt token {token!r} is not a token id in [0, {vocab})",
+                                          param="prompt")
+        if request.params.n != 1:
+            raise InvalidRequestError("the engine core takes one sample per request (n=1)", param="n")
+        self.sampler.validate(request.params)
+
+    def add_requests(self, requests: Sequence[CoreRequest]) -> None:
+        """Queue requests, all or none; raises InvalidRequestError / CapacityError and queues nothing."""
+        for request in requests:
+            if request.request_id in self._requests:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already in use",
+                                          param="request_id")
+            self.validate(request)
+        grammars = [self.structured.compile(r.params.structured_outputs) for r in requests]
+        added: list[Request] = []
+        try:
+            for spec, grammar in zip(requests, grammars):
+                request = Request(spec.request_id, spec.prompt_token_ids, spec.params, spec.arrival_ns,
+                                  prompt=spec.prompt, priority=spec.priority, user=spec.user,
+                                  cache_salt=spec.cache_salt, eos_token_id=self.eos_token_id)
+                request.structured = grammar.new_matcher() if grammar is not None else None
+                self.scheduler.add_request(request)
+                added.append(request)
+        except Exception:
+            for request in added:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+            self.scheduler.take_releases()  # never admitted as far as anyone outside knows
+            raise
+        for request in added:
+            self._requests[request.request_id] = request
+        if self.observers:
+            now = self.clock()
+            for request in added:
+                self.observers.arrival(ArrivalRecord(
+                    request.request_id, request.prompt, request.prompt_token_ids,
+                    request.sampling_params.max_tokens, request.times.arrival, now, self.scheduler.num_waiting))
+
+    def finish_requests(self, request_ids: Sequence[str], finish_reason: str = "abort",
+                        stop_reason: int | str | None = None) -> list[CoreOutput]:
+        """End requests now (cancelled, or stopped by the front end's stop string): their block
+        references are released and no step produces anything more for them. Unknown ids are skipped."""
+        status = _FINISH_STATUS[finish_reason]
+        finals = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            request.stop_reason = stop_reason
+            self.scheduler.finish_request(request_id, status)
+            finals.append(self._final_output(request, CoreOutput(request_id, [])))
+        releases = self._take_releases()
+        if releases:
+            self.observers.release(releases)
+        return finals
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ---- one step --------------------------------------------------------------------------------
+
+    def step(self) -> CoreOutputs:
+        """Go around the loop once; outputs of every request that got tokens or ended."""
+        clock = self.clock
+        start = clock()
+        schedule = self.scheduler.schedule()
+        self.runner.apply_block_diffs(schedule)
+        schedule_end = clock()
+        pending: dict[str, _Pending] = {}
+        for request in schedule.failed:  # failed while being scheduled: they end now, alone
+            self._touch(pending, request)
+        result: RunnerOutput | None = None
+        sampled: list[tuple[Request, int, TokenLogprobs | None]] = []
+        if not schedule.is_empty:
+            self.num_steps += 1
+            schedule, result = self._execute_isolated(schedule, pending)
+        execute_end = clock()
+        if result is not None:
+            self.scheduler.update_from_output(schedule)
+            sampling = [schedule.scheduled[i].request for i in result.sample_indices]
+            sampled = self._sample_isolated(result.logits, sampling, pending) if sampling else []
+            self._record_prompt_logprobs(result, pending)
+        sample_end = clock()
+        for request, token, logprobs in sampled:
+            try:
+                self._update(request, token, logprobs, sample_end, pending)
+            except Exception:  # noqa: BLE001 - one request's failure must not take the others down
+                logger.exception("update of %s failed", request.request_id)
+                self._fail_request(request, "updating")
+                self._touch(pending, request)
+        releases = self._take_releases()
+        outputs = [self._final_output(p.request, p.output) if p.request.is_finished
+                   else self._with_numbers(p.request, p.output) for p in pending.values()]
+        end = clock()
+        record = None
+        if self.observers and (not schedule.is_empty or schedule.preempted or releases):
+            record = self._record(schedule, result, sampled, releases, start, schedule_end, execute_end,
+                                  sample_end, end)
+            self.observers.step(record)
+        return CoreOutputs(outputs, sample_end, len(schedule.scheduled), record)
+
+    # ---- update: append, stop checks -------------------------------------------------------------
+
+    def _update(self, request: Request, token: int, logprobs: TokenLogprobs | None, now: int,
+                pending: dict[str, _Pending]) -> None:
+        """Append the token, stamp it, and run the core's stop checks in vLLM's order."""
+        params = request.sampling_params
+        request.append_output_token(token)
+        request.times.record_token(now)
+        output = self._touch(pending, request)
+        output.new_token_ids.append(token)
+        if params.logprobs is not None and logprobs is not None:
+            if output.new_logprobs is None:
+                output.new_logprobs = []
+            output.new_logprobs.append(logprobs)
+        self.structured.accept(request, token)  # raises if the grammar refuses it: fails this request only
+        can_stop = request.num_output_tokens >= params.min_tokens
+        status: RequestStatus | None = None
+        if can_stop and not params.ignore_eos and token == request.eos_token_id:
+            status = RequestStatus.FINISHED_STOPPED
+        elif request.structured is not None and request.structured.is_terminated:  # the grammar is complete
+            status = RequestStatus.FINISHED_STOPPED
+        elif can_stop and token in (params.stop_token_ids or ()):
+            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif request.num_output_tokens >= (params.max_tokens or self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        elif request.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            request.times.finished = now
+            self.scheduler.finish_request(request.request_id, status)
+
+    def _touch(self, pending: dict[str, _Pending], request: Request) -> CoreOutput:
+        entry = pending.get(request.request_id)
+        if entry is None:
+            entry = pending[request.request_id] = _Pending(CoreOutput(request.request_id, []), request)
+        return entry.output
+
+    @staticmethod
+    def _with_numbers(request: Request, output: CoreOutput) -> CoreOutput:
+        output.first_scheduled_ns = request.times.first_scheduled
+        output.num_cached_tokens = request.num_cached_tokens
+        output.num_preemptions = request.num_preemptions
+        return output
+
+    def _final_output(self, request: Request, output: CoreOutput) -> CoreOutput:
+        """Fill in how `request` ended; forget it."""
+        output.finish_reason = request.finish_reason
+        output.stop_reason = request.stop_reason
+        output.error = request.error
+        self._requests.pop(request.request_id, None)
+        self._prompt_logprobs_sent.pop(request.request_id, None)
+        return self._with_numbers(request, output)
+
+    def _record_prompt_logprobs(self, result: RunnerOutput, pending: dict[str, _Pending]) -> None:
+        for piece in result.prompt_logits:
+            request = self._requests.get(piece.request_id)
+            if request is None:
+                continue
+            sent = self._prompt_logprobs_sent.get(piece.request_id, 0)
+            if piece.first_target != sent + 1:
+                continue  # recomputed after a preemption: already reported
+            targets = torch.tensor(request.prompt_token_ids[piece.first_target:piece.first_target
+                                                            + piece.logits.shape[0]])
+            values = self.sampler.prompt_logprobs(piece.logits, targets,
+                                                  request.sampling_params.prompt_logprobs or 0)
+            output = self._touch(pending, request)
+            if output.new_prompt_logprobs is None:
+                output.new_prompt_logprobs = []
+            output.new_prompt_logprobs.extend(values)
+            self._prompt_logprobs_sent[piece.request_id] = sent + len(values)
+
+    # ---- release and record ----------------------------------------------------------------------
+
+    def _take_releases(self) -> list[ReleaseInfo]:
+        infos = []
+        for request, release, start, end in self.scheduler.take_releases():
+            t = request.times
+            infos.append(ReleaseInfo(
+                request.request_id, request.status.value, request.finish_reason, request.stop_reason,
+                request.error, release.block_ids, release.num_freed, release.num_kept_cached,
+                release.num_still_shared, start, end, t.arrival, t.first_scheduled, t.first_token, t.last_token,
+                t.finished if t.finished is not None else start, request.num_prompt_tokens,
+                request.num_output_tokens, request.num_cached_tokens, request.num_preemptions))
+        return infos
+
+    def _record(self, schedule: SchedulerOutput, result: RunnerOutput | None,
+                sampled: list[tuple[Request, int, TokenLogprobs | None]], releases: list[ReleaseInfo],
+                start: int, schedule_end: int, execute_end: int, sample_end: int, end: int) -> StepRecord:
+        chunks = [ScheduledChunk(item.request_id, item.num_computed_tokens, item.num_tokens,
+                                 item.request.num_prompt_tokens, item.samples, item.new_block_ids,
+                                 item.num_reused_blocks, item.prefix_hit_tokens, item.admitted, item.num_blocks)
+                  for item in schedule.scheduled]
+        kv = self.kv_cache
+        scheduler = self.scheduler
+        gauges = StepGauges(
+            scheduler.num_running, scheduler.num_waiting, scheduler.stats().num_preempted_waiting,
+            kv.num_blocks, kv.block_size, kv.num_free_blocks, kv.pool.num_cached_free, kv.prefix_cache_queries,
+            kv.prefix_cache_hits, kv.evictions, scheduler.num_preemptions)
+        return StepRecord(
+            self.num_steps, start, schedule_end, execute_end, sample_end, end, schedule.kv_ns,
+            int(result.forward_s * 1e9) if result is not None else 0, sum(r.end_ns - r.start_ns for r in releases),
+            schedule.num_batched_tokens, chunks, [r.request_id for r in schedule.preempted],
+            [r.request_id for r, _, _ in sampled], [t for _, t, _ in sampled], releases, gauges,
+            result.weight_form if result is not None else "")
+
+    # ---- fault isolation: a stage that raises for one request fails that request alone ------------
+
+    def _execute_isolated(self, schedule: SchedulerOutput, pending: dict[str, _Pending],
+                          ) -> tuple[SchedulerOutput, RunnerOutput | None]:
+        """One forward over the batch; if it raises, find the requests it fails for and rerun without them.
+
+        Rerunning is safe: a forward only writes the K/V of its own slots, and writes the same values again.
+        """
+        try:
+            return schedule, self.runner.execute(schedule)
+        except Exception as exc:  # noqa: BLE001 - isolate below
+            logger.exception("model forward failed for a batch of %d request(s)", len(schedule.scheduled))
+            first_error = exc
+        items = schedule.scheduled
+        middle = len(items) // 2
+        failing = (self._failing_items(schedule, items[:middle]) + self._failing_items(schedule, items[middle:])
+                   if len(items) > 1 else [(items[0], first_error)])
+        for item, cause in failing:
+            self._fail_request(item.request, "running the model on", cause)
+            self._touch(pending, item.request)
+        failed = {id(item) for item, _ in failing}
+        survivors = [item for item in items if id(item) not in failed]
+        if not survivors:
+            return schedule, None
+        rest = self._sub_schedule(schedule, survivors)
+        try:
+            return rest, self.runner.execute(rest)
+        except Exception as exc:  # noqa: BLE001 - fails only together: give up on all of them
+            logger.exception("model forward failed again for the remaining batch")
+            for item in survivors:
+                self._fail_request(item.request, "running the model on", exc)
+                self._touch(pending, item.request)
+            return rest, None
+
+    def _failing_items(self, schedule: SchedulerOutput, items: list[ScheduledRequest],
+                       ) -> list[tuple[ScheduledRequest, BaseException]]:
+        """The items whose forward fails, by bisection: one culprit in B costs ~2 log2(B) smaller forwards."""
+        if not items:
+            return []
+        try:
+            self.runner.execute(self._sub_schedule(schedule, items))
+            return []
+        except Exception as exc:  # noqa: BLE001 - narrowed down below
+            if len(items) == 1:
+                logger.exception("model forward failed for request %s", items[0].request_id)
+                return [(items[0], exc)]
+        middle = len(items) // 2
+        return self._failing_items(schedule, items[:middle]) + self._failing_items(schedule, items[middle:])
+
+    @staticmethod
+    def _sub_schedule(schedule: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:
+        return dataclasses.replace(schedule, scheduled=items, num_batched_tokens=sum(i.num_tokens for i in items))
+
+    def _sample_isolated(self, logits: torch.Tensor, requests: list[Request], pending: dict[str, _Pending],
+                         ) -> list[tuple[Request, int, TokenLogprobs | None]]:
+        """Sample every row at once; if that raises, row by row, failing only the rows that raise."""
+        try:
+            out = self.sampler.sample(logits, requests)
+            return list(zip(requests, out.token_ids, out.logprobs))
+        except Exception:  # noqa: BLE001 - isolate below
+            logger.exception("sampling failed for a batch of %d request(s)", len(requests))
+        sampled = []
+        for row, request in enumerate(requests):
+            try:
+                out = self.sampler.sample(logits[row:row + 1], [request])
+            except Exception:  # noqa: BLE001 - this row's sampling fails: it ends with an error
+                logger.exception("sampling failed for request %s", request.request_id)
+                self._fail_request(request, "sampling")
+                self._touch(pending, request)
+                continue
+            sampled.append((request, out.token_ids[0], out.logprobs[0]))
+        return sampled
+
+    def _fail_request(self, request: Request, stage: str, cause: BaseException | None = None) -> None:
+        # The exception is this request's own (isolated above): its text may help an offline caller.
+        cause = cause if cause is not None else sys.exc_info()[1]
+        detail = f" ({type(cause).__name__}: {str(cause)[:200]})" if cause is not None else ""
+        request.error = f"the server failed while {stage} this request{detail}"
+        if request.times.finished is None:
+            request.times.finished = self.clock()
+        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+
+
