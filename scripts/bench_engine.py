@@ -19,7 +19,7 @@ import time
 import torch
 
 from tokenloop import LLM, SamplingParams
-from tokenloop.engine import StepStats
+from tokenloop.observe.records import EngineObserver, StepRecord
 from tokenloop.model.loader import load_checkpoint, resolve_model_path
 
 
@@ -30,16 +30,32 @@ def make_workload(num: int, vocab: int, seed: int) -> list[tuple[list[int], int]
             for _ in range(num)]
 
 
+class _Step:
+    """One step's numbers from its record, in seconds."""
+
+    def __init__(self, record: StepRecord) -> None:
+        self.num_scheduled = record.num_scheduled
+        self.num_batched_tokens = record.num_batched_tokens
+        self.total_s = (record.end_ns - record.start_ns) / 1e9
+        self.overhead_s = self.total_s - record.forward_ns / 1e9
+
+
 def run_tokenloop(llm: LLM, workload: list[tuple[list[int], int]]) -> dict[str, float]:
     engine = llm.engine
     for i, (prompt, out_len) in enumerate(workload):
         engine.add_request(f"b{i}", None, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True),
                            prompt_token_ids=prompt)
-    steps: list[StepStats] = []
+    records: list[StepRecord] = []
+
+    class Collect(EngineObserver):
+        def on_step(self, record: StepRecord) -> None:
+            records.append(record)
+
+    engine.add_observer(Collect())
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-        steps.append(engine.last_step)
+    steps = [_Step(r) for r in records]
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(p) for p, _ in workload)
     output_tokens = sum(n for _, n in workload)

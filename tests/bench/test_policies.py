@@ -120,8 +120,10 @@ def test_virtual_clock_runs_only_inside_steps() -> None:
     clock.advance_to(50)
     clock.advance_to(10)  # never backwards
     assert clock() == 50
-    with clock.step(lambda: 7):
-        assert (clock(), clock(), clock()) == (50, 57, 57)
+    with clock.step(cost=True):  # cost mode: still until the forward moves it on
+        assert (clock(), clock()) == (50, 50)
+        clock.advance_by(7)
+        assert clock() == 57
     assert clock() == 57
 
 

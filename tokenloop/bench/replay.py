@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from tokenloop.bench.metrics import RequestRecord
 from tokenloop.bench.trace import TraceRequest
 from tokenloop.errors import TokenloopError
+from tokenloop.observe.records import EngineObserver, StepRecord
 from tokenloop.request import NS_PER_S, SamplingParams
 
 if TYPE_CHECKING:
@@ -41,41 +42,40 @@ CLOCK_MODES = ("virtual", "cost", "real")
 class VirtualClock:
     """An integer-nanosecond clock that stands still between steps and jumps over idle time.
 
-    Inside `step()` it runs: in measured mode at the speed of the real clock; in cost mode the first read
-    of the step returns the step's start and every later read its end (`start + cost`). The engine reads
-    the clock once when it schedules and again when it stamps sampled tokens, so a request admitted in a
-    step is stamped at the step's start and its tokens at the step's end, as on a real clock.
+    Inside `step()` it runs at the speed of the real clock (measured mode). In cost mode (`step(cost=True)`)
+    it stands still until the model forward, which moves it on by the step's modelled cost
+    (`advance_by`): a request admitted in a step is stamped at the step's start and its tokens at the
+    step's end, as on a real clock.
     """
 
     def __init__(self, start_ns: int = 0) -> None:
         self._now = start_ns
         self._anchor: int | None = None  # real time the running step began (measured mode)
-        self._cost: Callable[[], int] | None = None
-        self._reads = 0
 
     def __call__(self) -> int:
         if self._anchor is None:
             return self._now
-        if self._cost is not None:
-            self._reads += 1
-            return self._now if self._reads == 1 else self._now + self._cost()
         return self._now + (time.perf_counter_ns() - self._anchor)
 
     def advance_to(self, t_ns: int) -> None:
         """Jump forward (never back) to `t_ns`: nothing happens while the engine is idle."""
         self._now = max(self._now, t_ns)
 
+    def advance_by(self, ns: int) -> None:
+        self._now += ns
+
     @contextlib.contextmanager
-    def step(self, cost_ns: Callable[[], int] | None = None) -> Iterator[None]:
-        """Let time run for one step (measured, or `cost_ns()` long when given)."""
-        self._cost, self._reads = cost_ns, 0
+    def step(self, cost: bool = False) -> Iterator[None]:
+        """Let time run for one step: measured, or (cost) only as the forward advances it."""
+        if cost:
+            yield
+            return
         self._anchor = time.perf_counter_ns()
         try:
             yield
         finally:
-            end = self._now + cost_ns() if cost_ns is not None else self._now + time.perf_counter_ns() - self._anchor
-            self._now = end
-            self._anchor, self._cost = None, None
+            self._now += time.perf_counter_ns() - self._anchor
+            self._anchor = None
 
 
 @dataclass(frozen=True)
@@ -226,6 +226,19 @@ def warm_up_engine(engine: LLMEngine, trace: Sequence[TraceRequest], num_request
         engine.step()
 
 
+class _LastStep(EngineObserver):
+    """What the last step ran, from its record (a step that ran nothing may leave none)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_scheduled = self.num_batched_tokens = 0
+
+    def on_step(self, record: StepRecord) -> None:
+        self.num_scheduled, self.num_batched_tokens = record.num_scheduled, record.num_batched_tokens
+
+
 def replay_engine(trace: Sequence[TraceRequest], make_engine: Callable[[Callable[[], int]], LLMEngine], *,
                   label: str, clock_mode: str = "virtual", step_cost: StepCost | None = None,
                   time_scale: float = 1.0, progress: bool = True) -> ReplayRun:
@@ -238,8 +251,18 @@ def replay_engine(trace: Sequence[TraceRequest], make_engine: Callable[[Callable
     vclock = VirtualClock()
     clock: Callable[[], int] = vclock if virtual else time.monotonic_ns
     engine = make_engine(clock)
+    last_step = _LastStep()
+    engine.add_observer(last_step)
     cost = step_cost or StepCost()
-    cost_fn = (lambda: cost.ns(engine.last_step.num_batched_tokens)) if clock_mode == "cost" else None
+    if clock_mode == "cost":  # the forward is where modelled time passes
+        forward = engine.runner.execute
+
+        def costed_forward(output: Any) -> Any:
+            result = forward(output)
+            vclock.advance_by(cost.ns(output.num_batched_tokens))
+            return result
+
+        engine.runner.execute = costed_forward
 
     origin_ns = clock()
     pending = deque(sorted(trace, key=lambda r: r.arrival_s))  # stable: file order among equal arrivals
@@ -276,12 +299,13 @@ def replay_engine(trace: Sequence[TraceRequest], make_engine: Callable[[Callable
             if pending:
                 _wait_until(vclock if virtual else None, arrival_ns(pending[0]))
             continue
+        last_step.reset()
         if virtual:
-            with vclock.step(cost_fn):
+            with vclock.step(cost=clock_mode == "cost"):
                 outputs = engine.step()
         else:
             outputs = engine.step()
-        if engine.last_step.num_scheduled == 0:
+        if last_step.num_scheduled == 0:
             if not pending:
                 raise RuntimeError(f"{label}: the engine holds requests but schedules none")
             _wait_until(vclock if virtual else None, arrival_ns(pending[0]))
@@ -294,7 +318,7 @@ def replay_engine(trace: Sequence[TraceRequest], make_engine: Callable[[Callable
                 bar.update(1)
         stats = engine.stats()
         run.timeline.append(TimelinePoint((clock() - origin_ns) / NS_PER_S, stats.num_running, stats.num_waiting,
-                                          stats.kv_usage, engine.last_step.num_batched_tokens))
+                                          stats.kv_usage, last_step.num_batched_tokens))
     bar.close()
     stats = engine.stats()
     run.records = [records[r.id] for r in trace if r.id in records]
