@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenloop.trace_cli import add_trace_subparser, main
+from tokenloop.cli.trace import add_trace_subparser, main
 
 from tests.tracing.test_export import check_chrome_trace, check_mechanism_schema
 

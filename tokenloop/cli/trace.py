@@ -17,18 +17,12 @@ import logging
 import sys
 from typing import Any
 
+from tokenloop.cli.options import positive_int
 from tokenloop.model.loader import DEFAULT_MODEL
 
 logger = logging.getLogger("tokenloop")
 
 TRACED_REQUEST_ID = "trace-0"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def add_trace_subparser(subparsers: Any) -> argparse.ArgumentParser:
@@ -43,12 +37,12 @@ def add_trace_subparser(subparsers: Any) -> argparse.ArgumentParser:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=DEFAULT_MODEL, help=f"model name, .gguf file or HF directory "
                         f"(default: {DEFAULT_MODEL})")
-    engine.add_argument("--block-size", type=_positive_int, help="tokens per KV-cache block")
-    engine.add_argument("--num-kv-blocks", type=_positive_int, help="KV-cache size in blocks")
-    engine.add_argument("--max-num-seqs", type=_positive_int, help="most requests in one step")
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int, help="most tokens in one step")
+    engine.add_argument("--block-size", type=positive_int, help="tokens per KV-cache block")
+    engine.add_argument("--num-kv-blocks", type=positive_int, help="KV-cache size in blocks")
+    engine.add_argument("--max-num-seqs", type=positive_int, help="most requests in one step")
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, help="most tokens in one step")
     sampling = parser.add_argument_group("sampling and load")
-    sampling.add_argument("--max-tokens", type=_positive_int, default=16)
+    sampling.add_argument("--max-tokens", type=positive_int, default=16)
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--seed", type=int, help="seed of the traced request's sampling")
     sampling.add_argument("--concurrent", type=int, default=0, help="other requests to run alongside (default 0)")
@@ -111,7 +105,7 @@ def run_trace(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `trace` on its own (`python -m tokenloop.trace_cli ...`) until the main CLI wires it in."""
+    """Run `trace` on its own (`python -m tokenloop.cli.trace ...`), logging only warnings."""
     parser = argparse.ArgumentParser(prog="tokenloop")
     add_trace_subparser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)

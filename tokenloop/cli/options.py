@@ -1,0 +1,95 @@
+"""Flags every engine-building command shares (`--model`, `--policy`, KV-cache size...) and the engine they
+build; the log-level choices that each command also accepts after its name."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import time
+from typing import Any
+
+from tokenloop.config import SCHEDULING_POLICIES
+from tokenloop.model.loader import DEFAULT_MODEL
+
+logger = logging.getLogger("tokenloop")
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648, '512MiB', '1.5GB', '1000000' (bytes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1.5GB, 1000000)")
+    size = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return size
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or HF checkpoint directory "
+                       f"(default: {DEFAULT_MODEL})")
+    group.add_argument("--policy", choices=SCHEDULING_POLICIES, default="fcfs", help="scheduling policy")
+    group.add_argument("--max-num-seqs", type=positive_int, help="most requests in one step")
+    group.add_argument("--max-num-batched-tokens", type=positive_int, help="most tokens in one step")
+    kv = group.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=positive_int, help="KV-cache size in blocks")
+    kv.add_argument("--kv-cache-memory", type=parse_size, help="KV-cache size in bytes (e.g. 2GiB, 512MiB)")
+    group.add_argument("--block-size", type=positive_int, help="tokens per KV-cache block")
+    group.add_argument("--max-model-len", type=positive_int, help="context length (default: the model's)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    group.add_argument("--seed", type=int, help="seed of unseeded sampling")
+    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+                       help="activations and KV cache (default auto: float32 activations, and weights in the "
+                            "fastest form this CPU runs: a quantized GGUF's packed int4 / Q8_0 blocks, or bf16, "
+                            "where it has AVX512-BF16 or AMX; float32 otherwise)")
+    group.add_argument("--weight-dtype", choices=["float32", "bfloat16", "quantized"],
+                       help="projection weights (default: --dtype, or chosen by auto); bfloat16 halves the bytes "
+                            "each step streams; quantized keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks packed for the "
+                            "CPU int4 / Q8_0 kernels (bf16 for large batches)")
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {"policy": args.policy}
+    for name, key in (("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
+                      ("num_kv_blocks", "num_blocks"), ("kv_cache_memory", "kv_cache_memory_bytes"),
+                      ("block_size", "block_size"), ("max_model_len", "max_model_len"), ("seed", "seed"),
+                      ("dtype", "dtype"), ("weight_dtype", "weight_dtype"),
+                      ("max_waiting", "max_waiting")):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[key] = value
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    return options
+
+
+def load_engine(args: argparse.Namespace):  # noqa: ANN202 - LLMEngine, imported lazily (torch is slow to import)
+    from tokenloop.engine import LLMEngine
+    from tokenloop.llm import build_engine_config
+    from tokenloop.tracing import Tracer
+
+    config = build_engine_config(args.model, **_engine_options(args))
+    begin = time.perf_counter()
+    sample_rate = getattr(args, "trace_sample_rate", 0.0)
+    # The dashboard and /v1/trace read the tracer; iterations are always recorded, requests sampled.
+    tracer = Tracer(sample_rate=sample_rate) if getattr(args, "command", None) == "serve" and not args.no_trace else None
+    engine = LLMEngine(config, tracer=tracer)
+    logger.info("loaded %s in %.1f s: max_model_len=%d, %d KV blocks of %d tokens, policy=%s; %s", args.model,
+                time.perf_counter() - begin, engine.max_model_len, engine.kv_cache.num_blocks,
+                config.cache.block_size, config.scheduler.policy, engine.dtype_choice.describe())
+    return engine

@@ -1,0 +1,89 @@
+"""`tokenloop serve`: load an engine and serve the OpenAI-compatible API over HTTP.
+
+    tokenloop serve --model smollm2-135m-instruct --port 8000 --policy fcfs --max-num-seqs 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from tokenloop.cli.options import LOG_LEVELS, add_engine_args, load_engine, parse_size
+
+logger = logging.getLogger("tokenloop")
+
+
+def add_serve_subparser(commands: Any) -> argparse.ArgumentParser:
+    """Add `serve` to a `parser.add_subparsers()` object; the command runs `args.func(args)`."""
+    serve = commands.add_parser("serve", help="serve an OpenAI-compatible API")
+    # Also accepted after the command (`tokenloop serve --log-level warning`), as users type it.
+    serve.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS)
+    add_engine_args(serve)
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    net.add_argument("--port", type=int, default=8000)
+    net.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
+                                       "(default: $TOKENLOOP_API_KEY; prefer that or --api-key-file: a flag "
+                                       "shows in `ps`)")
+    net.add_argument("--api-key-file", help="read the API key from this file")
+    net.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    net.add_argument("--max-waiting", type=int, help="most queued requests; beyond it: 429 with Retry-After")
+    net.add_argument("--shutdown-timeout", type=float, default=5.0,
+                     help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    _add_limit_args(serve)
+    tracing = serve.add_argument_group("tracing")
+    tracing.add_argument("--trace-sample-rate", type=float, default=0.1,
+                         help="fraction of requests traced in detail for /v1/trace and the dashboard (default 0.1)")
+    tracing.add_argument("--no-trace", action="store_true", help="record no trace at all (the dashboard stays empty)")
+    serve.set_defaults(func=_serve)
+    return serve
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tokenloop.serving.api import create_app
+    from tokenloop.serving.limits import resolve_api_key
+    from tokenloop.serving.server import serve_forever
+
+    api_key = resolve_api_key(args.api_key, args.api_key_file)
+    limits = _server_limits(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
+    engine = load_engine(args)
+    app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=api_key,
+                     shutdown_timeout_s=args.shutdown_timeout, limits=limits)
+    logger.info("serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port)
+    serve_forever(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+    logger.info("shut down cleanly")
+    return 0
+
+
+# Server limits: flag -> (ServerLimits field, type, help). Defaults are ServerLimits' own.
+_LIMIT_FLAGS = {
+    "--max-body-bytes": ("max_body_bytes", parse_size, "largest request body (413 past it)"),
+    "--header-read-timeout": ("header_read_timeout_s", float, "seconds a client has to send a request's headers"),
+    "--body-read-timeout": ("body_read_timeout_s", float, "seconds a client has to send a request's body (408)"),
+    "--max-connections": ("max_concurrent_connections", int, "concurrent connections (503 past it)"),
+    "--max-n": ("max_n", int, "largest n (samples per prompt)"),
+    "--max-stop-strings": ("max_stop_strings", int, "most stop strings per request"),
+    "--max-stop-string-chars": ("max_stop_string_chars", int, "longest stop string"),
+    "--max-logit-bias": ("max_logit_bias_entries", int, "most logit_bias entries per request"),
+    "--max-stream-backlog": ("max_stream_backlog", int,
+                             "outputs a slow reader may fall behind before its request is aborted"),
+}
+
+
+def _add_limit_args(parser: argparse.ArgumentParser) -> None:
+    from tokenloop.serving.limits import ServerLimits
+
+    defaults = ServerLimits()
+    group = parser.add_argument_group("limits (each bounds what one client may ask)")
+    for flag, (field_name, kind, text) in _LIMIT_FLAGS.items():
+        group.add_argument(flag, dest=field_name, type=kind, default=getattr(defaults, field_name),
+                           help=f"{text} (default {getattr(defaults, field_name)})")
+
+
+def _server_limits(args: argparse.Namespace):  # noqa: ANN202 - ServerLimits, imported lazily
+    from tokenloop.serving.limits import ServerLimits
+
+    return ServerLimits(**{field_name: getattr(args, field_name) for field_name, _, _ in _LIMIT_FLAGS.values()})
