@@ -7,8 +7,11 @@ value (ints, strings, lists), so a record crosses a process boundary as it is.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -182,22 +185,20 @@ class ObserverSet:
 
     def arrival(self, record: ArrivalRecord) -> None:
         for observer in self.observers:
-            _safely(observer.on_arrival, record)
+            _safely(observer, "on_arrival", record)
 
     def step(self, record: StepRecord) -> None:
         for observer in self.observers:
-            _safely(observer.on_step, record)
+            _safely(observer, "on_step", record)
 
     def release(self, records: list[ReleaseInfo]) -> None:
         if records:
             for observer in self.observers:
-                _safely(observer.on_release, records)
+                _safely(observer, "on_release", records)
 
 
-def _safely(hook: object, record: object) -> None:
+def _safely(observer: object, hook: str, record: object) -> None:
     try:
-        hook(record)  # type: ignore[operator]
+        getattr(observer, hook)(record)
     except Exception:  # noqa: BLE001 - an observer must never take the loop down
-        import logging
-
-        logging.getLogger(__name__).exception("observer %r failed on %s", hook, type(record).__name__)
+        logger.exception("observer %r failed in %s", observer, hook)
