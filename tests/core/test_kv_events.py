@@ -354,6 +354,26 @@ class KVEventsMachine(RuleBasedStateMachine):
             self.live[request.request_id] = request
         self._after(data)
 
+    @rule(prefix=st.sampled_from([[1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+          tail=st.lists(st.integers(0, 2), min_size=1, max_size=6), salt=st.sampled_from(SALTS),
+          data=st.data())
+    def admit_pair(self, prefix: list[int], tail: list[int], salt: str | None, data: st.DataObject) -> None:
+        """Two requests with one prompt admitted in one step: both look up before either computes, so the
+        second computes the same blocks again and its copies must stay out of the index and the events."""
+        pair = [make_request(f"r{self.next_id + i}", prefix + tail, salt) for i in range(2)]
+        self.next_id += 2
+        # Identical prompts find identical hits, which the first allocation references: still valid for
+        # the second, as `get_computed_blocks` requires.
+        lookups = [self.kv.get_computed_blocks(request) for request in pair]
+        for request in pair:
+            self.twin.get_computed_blocks(request)
+        for request, (hits, num_hit) in zip(pair, lookups):
+            if self._allocate(request, request.num_tokens - num_hit, hits, num_hit):
+                self.live[request.request_id] = request
+            else:
+                break  # the pool is short: the second may not allocate after the first failed either
+        self._after(data)
+
     @precondition(lambda self: self.live)
     @rule(data=st.data(), chunk=st.integers(1, 12), token=st.integers(0, 2))
     def grow(self, data: st.DataObject, chunk: int, token: int) -> None:
