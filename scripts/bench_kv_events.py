@@ -6,16 +6,19 @@ then freed. A second round of new prompts on the same pool (sized to hold one ro
 round's cached blocks, so BlockStored, BlockRemoved and the flushes are all on the timed path. Runs with
 events off and on alternate, so both see the same machine noise; the best and median of the repeats are
 reported. With --prehash the requests' block hashes are computed before the clock starts, isolating the
-bookkeeping from SHA-256 (which both modes pay the same).
+bookkeeping from SHA-256 (which both modes pay the same). Each run starts after a full `gc.collect()`;
+a collection of the older generations can still land inside one run and double it (the medians show
+it), so --gc-off times with the collector disabled, for the work alone.
 
 Usage (from the repository root):
     PYTHONPATH=. python scripts/bench_kv_events.py [--requests 256] [--tokens 2048] [--block-size 16]
-        [--chunk 512] [--shared 256] [--repeats 5] [--prehash]
+        [--chunk 512] [--shared 256] [--repeats 5] [--prehash] [--gc-off]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -53,6 +56,9 @@ def run_once(args: argparse.Namespace, with_events: bool, seed: int) -> RunResul
             kv._update_block_hashes(request)
     num_batches = num_events = 0
     step = 0
+    gc.collect()
+    if args.gc_off:
+        gc.disable()
     begin = time.perf_counter()
     for requests in rounds:
         for request in requests:  # admission: prefix lookup plus the first chunk
@@ -78,6 +84,7 @@ def run_once(args: argparse.Namespace, with_events: bool, seed: int) -> RunResul
             num_batches += 1
             num_events += len(batch.events)
     elapsed = time.perf_counter() - begin
+    gc.enable()
     kv.check_invariants([])
     return RunResult(elapsed, num_batches, num_events)
 
@@ -92,6 +99,7 @@ def main() -> None:
     parser.add_argument("--shared", type=int, default=256, help="system-prefix tokens every prompt shares")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prehash", action="store_true", help="hash the blocks before the clock starts")
+    parser.add_argument("--gc-off", action="store_true", help="disable the garbage collector while timing")
     args = parser.parse_args()
 
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -104,7 +112,8 @@ def main() -> None:
                 last = result
     assert last is not None
     print(f"{args.requests} requests x {args.tokens} tokens, block {args.block_size}, chunk {args.chunk}, "
-          f"shared prefix {args.shared}, 2 rounds (the second evicts the first), prehash={args.prehash}")
+          f"shared prefix {args.shared}, 2 rounds (the second evicts the first), "
+          f"prehash={args.prehash}, gc_off={args.gc_off}")
     for with_events in (False, True):
         label = "events on " if with_events else "events off"
         print(f"{label}: best {min(times[with_events]) * 1e3:8.1f} ms   "

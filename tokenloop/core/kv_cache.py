@@ -47,15 +47,15 @@ class KVBlock:
     """One physical block of `block_size` token slots.
 
     `prev_free`/`next_free` link the block into the free queue; both are None while it is referenced.
-    `stored_parent_hash`/`stored_token_ids` describe the indexed block as its `BlockStored` event did; they
-    are kept only while the pool has an event log, so that a snapshot can describe it again.
+    `stored_event` is the `BlockStored` that announced the indexed block (at `stored_pos` in it), kept only
+    while the pool has an event log, so that a snapshot can describe the block again.
     """
 
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
-    stored_parent_hash: int | None = field(default=None, repr=False)
-    stored_token_ids: list[int] | None = field(default=None, repr=False)
+    stored_event: BlockStored | None = field(default=None, repr=False)
+    stored_pos: int = field(default=0, repr=False)
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
 
@@ -180,7 +180,7 @@ class BlockPool:
             if block.block_hash is not None:
                 if removed is not None:
                     removed.append(block.block_hash)
-                    block.stored_parent_hash = block.stored_token_ids = None
+                    block.stored_event = None
                 self.num_cached_free -= 1
                 del self._index[block.block_hash]
                 block.block_hash = None
@@ -224,15 +224,19 @@ class BlockPool:
         run_start = -1
         for i in range(start, end + 1):
             if i < end and self.publish(blocks[i], block_hashes[i]):
-                block = blocks[i]
-                block.stored_parent_hash = block_hashes[i - 1] if i else None
-                block.stored_token_ids = list(token_ids[i * block_size:(i + 1) * block_size])
                 if run_start < 0:
                     run_start = i
             elif run_start >= 0:
-                events.record(BlockStored(
-                    list(block_hashes[run_start:i]), block_hashes[run_start - 1] if run_start else None,
-                    list(token_ids[run_start * block_size:i * block_size]), block_size))
+                parent = block_hashes[run_start - 1] if run_start else None
+                event = BlockStored(block_hashes[run_start:i], parent,
+                                    token_ids[run_start * block_size:i * block_size], block_size)
+                events.record(event)
+                # The blocks point into their event instead of copying their tokens: no list per block,
+                # which would cost more in allocation and garbage collection than the event itself.
+                for pos, j in enumerate(range(run_start, i)):
+                    block = blocks[j]
+                    block.stored_event = event
+                    block.stored_pos = pos
                 run_start = -1
 
     def reset_prefix_cache(self) -> bool:
@@ -246,7 +250,7 @@ class BlockPool:
             return False
         for block in self._index.values():
             block.block_hash = None
-            block.stored_parent_hash = block.stored_token_ids = None
+            block.stored_event = None
         self._index.clear()
         self.num_cached_free = 0
         if self.events is not None:

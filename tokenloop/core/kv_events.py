@@ -81,7 +81,8 @@ class KVEventLog:
     """The producer side inside one engine: pending events, sequence numbers and a replay buffer.
 
     Not thread-safe: the engine core's loop records and flushes; publishing the batches elsewhere is
-    its business.
+    its business. The batches' events are shared with the pool (a snapshot reads cached blocks' tokens
+    from the `BlockStored` that announced them): consumers in the same process must not modify them.
     """
 
     def __init__(self, max_batches: int = 4096) -> None:
@@ -144,14 +145,16 @@ class KVEventLog:
         events: list[BlockStored] = []
         last: BlockStored | None = None
         for block_hash, block in pool.cached_items():
-            tokens = block.stored_token_ids
-            assert tokens is not None, "a block indexed while a log is attached has its tokens"
-            parent = block.stored_parent_hash
-            if last is not None and last.block_hashes[-1] == parent and last.block_size == len(tokens):
+            stored, pos = block.stored_event, block.stored_pos
+            assert stored is not None, "a block indexed while a log is attached knows its BlockStored"
+            size = stored.block_size
+            tokens = stored.token_ids[pos * size:(pos + 1) * size]
+            parent = stored.block_hashes[pos - 1] if pos else stored.parent_block_hash
+            if last is not None and last.block_hashes[-1] == parent and last.block_size == size:
                 last.block_hashes.append(block_hash)
                 last.token_ids.extend(tokens)
                 continue
-            last = BlockStored([block_hash], parent, list(tokens), len(tokens))
+            last = BlockStored([block_hash], parent, tokens, size)
             events.append(last)
         return KVSnapshot(self._next_seq - 1, ts_ns, events)
 
