@@ -11,8 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from tokenloop.core.kv_cache import KVBlock, KVCacheManager, hash_block
 from tokenloop.core.kv_events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, KVEventLog, KVIndexMirror, KVSnapshot,
-    batch_from_wire, batch_to_wire,
+    AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, KVEventLog, KVIndexMirror,
+    KVIndexSnapshot, batch_from_wire, batch_to_wire,
 )
 from tokenloop.request import Request, SamplingParams
 
@@ -238,7 +238,7 @@ def test_since_replays_the_ring_buffer_and_reports_gaps() -> None:
 
 def test_snapshot_groups_chains_and_names_its_sequence() -> None:
     kv, log = with_log(num_blocks=16)
-    assert log.snapshot(kv.pool) == KVSnapshot(-1, 0, [])
+    assert log.snapshot(kv.pool) == KVIndexSnapshot(-1, 0, [])
     a = make_request("a", list(range(3 * BS + 1)))
     b = make_request("b", [5] * (2 * BS + 1), salt="s")
     admit(kv, a)

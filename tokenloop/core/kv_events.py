@@ -8,7 +8,7 @@ prompt itself and compare.
 Producer side, inside one engine: the pool `record`s events into a `KVEventLog`; the engine `flush`es
 once per step into a `KVEventBatch` with the next sequence number and publishes it. The log keeps the
 last batches in a ring buffer so a consumer that missed some can replay them (`since`), and makes a
-`KVSnapshot` of the full index for one that fell further behind.
+`KVIndexSnapshot` of the full index for one that fell further behind.
 
 Consumer side: a `KVIndexMirror` per engine applies batches in sequence order, notices gaps, and
 answers "how many leading blocks of this prompt does that engine hold?".
@@ -64,7 +64,7 @@ class KVEventBatch:
 
 
 @dataclass(slots=True)
-class KVSnapshot:
+class KVIndexSnapshot:
     """The whole index of one engine, current as of batch `seq` (-1: before any batch).
 
     A consumer that resyncs from it applies the batches with sequence > `seq`. Events recorded but not
@@ -134,7 +134,7 @@ class KVEventLog:
             return None
         return list(islice(self._batches, seq - oldest, None))
 
-    def snapshot(self, pool: BlockPool, ts_ns: int = 0) -> KVSnapshot:
+    def snapshot(self, pool: BlockPool, ts_ns: int = 0) -> KVIndexSnapshot:
         """The pool's whole index as `BlockStored` events, current as of the last flushed batch.
 
         Blocks are grouped into one event per run of consecutively published blocks of one chain (the
@@ -156,7 +156,7 @@ class KVEventLog:
                 continue
             last = BlockStored([block_hash], parent, tokens, size)
             events.append(last)
-        return KVSnapshot(self._next_seq - 1, ts_ns, events)
+        return KVIndexSnapshot(self._next_seq - 1, ts_ns, events)
 
 
 class KVIndexMirror:
@@ -195,7 +195,7 @@ class KVIndexMirror:
         self.stale = False
         return True
 
-    def resync(self, snapshot: KVSnapshot) -> None:
+    def resync(self, snapshot: KVIndexSnapshot) -> None:
         """Replace the whole state with a snapshot's; then apply the batches after `snapshot.seq`."""
         self._hashes = set()
         self._apply_events(snapshot.events)
