@@ -8,6 +8,9 @@ its hash is evicted only when the block is taken for new tokens.
 `KVCacheManager` keeps one block table per request: `allocate` grows it for the tokens a step computes,
 `get_computed_blocks` finds the longest cached prefix of a new or preempted request, `free` drops it.
 Only bookkeeping lives here; the K/V tensors belong to the model runner, which addresses them by block id.
+
+With a `KVEventLog` attached, the pool records what happens to its index as KV events (`kv_events.py`):
+blocks stored, hashes evicted, the whole cache cleared. Without one, the hot path pays one `is None` check.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import hashlib
 import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+
+from tokenloop.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
 
 if TYPE_CHECKING:  # only for annotations: keeps this module free of the torch import
     from tokenloop.request import Request
@@ -42,11 +47,15 @@ class KVBlock:
     """One physical block of `block_size` token slots.
 
     `prev_free`/`next_free` link the block into the free queue; both are None while it is referenced.
+    `stored_event` is the `BlockStored` that announced the indexed block (at `stored_pos` in it), kept only
+    while the pool has an event log, so that a snapshot can describe the block again.
     """
 
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
+    stored_event: BlockStored | None = field(default=None, repr=False)
+    stored_pos: int = field(default=0, repr=False)
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
 
@@ -123,9 +132,13 @@ class BlockPool:
     The index and the blocks' `block_hash` fields mirror each other exactly: a block carries a hash iff
     the index maps that hash to it. When two requests compute the same block independently, only the
     first copy is indexed; the second stays anonymous and is recycled first once free.
+
+    `events`, when given, receives a `BlockStored` per run of blocks published together, a `BlockRemoved`
+    per `take` that evicts hashes and an `AllBlocksCleared` per prefix-cache reset.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -135,6 +148,7 @@ class BlockPool:
         self._index: dict[int, KVBlock] = {}
         self.evictions = 0  # cached hashes dropped because their block was taken for new tokens
         self.num_cached_free = 0  # free blocks that still carry a hash: reusable by a prefix hit
+        self.events = events
 
     @property
     def num_free(self) -> int:
@@ -160,15 +174,22 @@ class BlockPool:
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} blocks but only {self.num_free} are free")
         taken: list[KVBlock] = []
+        removed: list[int] | None = None if self.events is None else []
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
+                if removed is not None:
+                    removed.append(block.block_hash)
+                    block.stored_event = None
                 self.num_cached_free -= 1
                 del self._index[block.block_hash]
                 block.block_hash = None
                 self.evictions += 1
             block.ref_cnt = 1
             taken.append(block)
+        if removed:
+            assert self.events is not None
+            self.events.record(BlockRemoved(removed))
         return taken
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -186,6 +207,54 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self._index[block_hash] = block
+        return True
+
+    def publish_recorded(self, blocks: Sequence[KVBlock], block_hashes: Sequence[int], start: int, end: int,
+                         token_ids: Sequence[int], block_size: int) -> None:
+        """`publish` blocks[start:end] under block_hashes[start:end] and record what was indexed.
+
+        `blocks`, `block_hashes` and `token_ids` are one sequence's table, chain and tokens. Each run of
+        consecutive blocks that got indexed becomes one `BlockStored`; a block whose hash was already
+        indexed (the same content computed twice) is not new to the index, so it records nothing and
+        splits the run.
+        """
+        events = self.events
+        if events is None:
+            raise RuntimeError("publish_recorded needs an event log")
+        run_start = -1
+        for i in range(start, end + 1):
+            if i < end and self.publish(blocks[i], block_hashes[i]):
+                if run_start < 0:
+                    run_start = i
+            elif run_start >= 0:
+                parent = block_hashes[run_start - 1] if run_start else None
+                event = BlockStored(block_hashes[run_start:i], parent,
+                                    token_ids[run_start * block_size:i * block_size], block_size)
+                events.record(event)
+                # The blocks point into their event instead of copying their tokens: no list per block,
+                # which would cost more in allocation and garbage collection than the event itself.
+                for pos, j in enumerate(range(run_start, i)):
+                    block = blocks[j]
+                    block.stored_event = event
+                    block.stored_pos = pos
+                run_start = -1
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash, as vLLM does; refused (False) while any block is referenced.
+
+        A request holding blocks has offered them to the index once and never offers them again, so a
+        reset under it could not be undone by its later steps; an idle pool has no such request. Records
+        `AllBlocksCleared` when it succeeds.
+        """
+        if self.num_free != self.num_blocks:
+            return False
+        for block in self._index.values():
+            block.block_hash = None
+            block.stored_event = None
+        self._index.clear()
+        self.num_cached_free = 0
+        if self.events is not None:
+            self.events.record(AllBlocksCleared())
         return True
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
@@ -228,7 +297,8 @@ class BlockPool:
         _check(len(seen) + referenced == self.num_blocks,
                f"free ({len(seen)}) + referenced ({referenced}) != total ({self.num_blocks})")
         for block_hash, block in self._index.items():
-            _check(block.block_hash == block_hash, f"cached hash {block_hash:#x} resolves to a block without it")
+            _check(block.block_hash == block_hash,
+                   f"cached hash {block_hash:#x} resolves to a block without it")
         cached_free = sum(1 for block in self.blocks if block.ref_cnt == 0 and block.block_hash is not None)
         _check(cached_free == self.num_cached_free,
                f"num_cached_free is {self.num_cached_free} but {cached_free} free blocks carry a hash")
@@ -273,12 +343,13 @@ class KVCacheStats:
 class KVCacheManager:
     """Per-request block tables over one `BlockPool`, with prefix caching."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, events)
         self._tables: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each table have been offered to the index (hit or published).
         self._num_published: dict[str, int] = {}
@@ -384,6 +455,11 @@ class KVCacheManager:
             self._publish_full_blocks(request, table, min(total_tokens, request.num_tokens))
         return new_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. after new weights); False, changing nothing, while any
+        request holds blocks. Counters are kept: clearing is not eviction."""
+        return self.pool.reset_prefix_cache()
+
     def free(self, request: Request) -> BlockRelease:
         """Drop every block reference the request holds; its cached blocks stay reusable until evicted.
 
@@ -466,6 +542,10 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        for i in range(start, num_full):
-            self.pool.publish(table[i], request.block_hashes[i])
+        if self.pool.events is not None:
+            self.pool.publish_recorded(table, request.block_hashes, start, num_full,
+                                       request.all_token_ids, self.block_size)
+        else:
+            for i in range(start, num_full):
+                self.pool.publish(table[i], request.block_hashes[i])
         self._num_published[request.request_id] = num_full
