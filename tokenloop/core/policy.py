@@ -34,6 +34,11 @@ class Policy(Protocol):
         """The requests, best first."""
         ...
 
+    def order_running(self, requests: Iterable[Request], now: int) -> Iterator[Request]:
+        """The running requests in the order they get tokens and blocks. It must agree with `victim`: a
+        request served earlier must never be the victim of one served later, or recompute can livelock."""
+        ...
+
     def victim(self, candidates: Sequence[Request], now: int) -> Request:
         """The request to preempt among `candidates` (non-empty): the one ranked last."""
         ...
@@ -75,6 +80,9 @@ class _RankedPolicy:
 
     def order(self, requests: Iterable[Request], now: int) -> Iterator[Request]:
         return iter(sorted(requests, key=lambda request: self.key(request, now)))
+
+    def order_running(self, requests: Iterable[Request], now: int) -> Iterator[Request]:
+        return self.order(requests, now)  # the victim is the one ranked last: the two agree
 
     def victim(self, candidates: Sequence[Request], now: int) -> Request:
         if not candidates:
@@ -149,8 +157,8 @@ class FairSharePolicy(_RankedPolicy):
     A user who becomes active after idling is lifted to the smallest counter among active users, so
     idling earns no credit.
 
-    The preemption victim is the latest arrival, as in FCFS: fairness acts on admission order (as in
-    VTC). A counter-based victim flips as counters grow, and under recompute preemption two requests
+    The preemption victim is the latest arrival, and running requests are served in arrival order, as
+    in FCFS: fairness acts on admission order (as in VTC). A counter-based victim flips as counters grow, and under recompute preemption two requests
     can then throw each other's work away forever (a livelock hypothesis found with a 6-block pool).
     """
 
@@ -207,6 +215,11 @@ class FairSharePolicy(_RankedPolicy):
         if not candidates:
             raise ValueError("no candidate to preempt")
         return max(candidates, key=lambda request: (request.times.arrival, self._sequence(request)))
+
+    def order_running(self, requests: Iterable[Request], now: int) -> Iterator[Request]:
+        # Arrival order, like the victim: served by counter, a later arrival could take the last blocks
+        # and make an earlier one preempt itself, at every step, forever (hypothesis found it).
+        return iter(sorted(requests, key=lambda request: (request.times.arrival, self._sequence(request))))
 
     def order(self, requests: Iterable[Request], now: int) -> Iterator[Request]:
         # Re-pick the least-served user before every yield: counters move as the caller schedules.

@@ -259,7 +259,7 @@ class Scheduler:
             budget -= n
 
         # Each request's turn is isolated: what raises for one request fails that request alone.
-        for request in self._in_policy_order(self._running, now, output):
+        for request in self._in_policy_order(self._running, now, output, running=True):
             if budget <= 0:
                 break
             if request.request_id not in self._running:
@@ -336,13 +336,15 @@ class Scheduler:
 
     # ---- fault isolation -----------------------------------------------------------------------------
 
-    def _in_policy_order(self, queue: dict[str, Request], now: int, output: SchedulerOutput) -> Iterator[Request]:
+    def _in_policy_order(self, queue: dict[str, Request], now: int, output: SchedulerOutput,
+                         running: bool = False) -> Iterator[Request]:
         """The policy's order over `queue`; a request whose ranking raises is failed, the others go on."""
         seen: set[str] = set()
+        rank = self.policy.order_running if running else self.policy.order
         while True:
             pending = [r for r in queue.values() if r.request_id not in seen]
             try:
-                for request in self.policy.order(pending, now):
+                for request in rank(pending, now):
                     seen.add(request.request_id)
                     yield request
                 return
