@@ -78,6 +78,8 @@ class CacheConfig:
     num_blocks: int | None = None  # None: derive from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    # Publish BlockStored / BlockRemoved events (tokenloop.core.kv_events) for a router's exact prefix index.
+    enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
         _require(self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,

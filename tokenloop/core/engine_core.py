@@ -22,6 +22,7 @@ import torch
 
 from tokenloop.config import EngineConfig
 from tokenloop.core.kv_cache import KVCacheManager
+from tokenloop.core.kv_events import KVEventBatch, KVEventLog, KVIndexSnapshot
 from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
 from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
 from tokenloop.errors import InvalidRequestError
@@ -83,7 +84,9 @@ class EngineCore:
             logger.info("max_model_len %d exceeds the KV cache (%d tokens); lowering it to fit",
                         self.max_model_len, num_blocks * block_size)
             self.max_model_len = num_blocks * block_size
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.kv_events = KVEventLog() if config.cache.enable_kv_events else None
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                                       events=self.kv_events)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock)
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
@@ -207,7 +210,18 @@ class EngineCore:
             record = self._record(schedule, result, sampled, releases, start, schedule_end, execute_end,
                                   sample_end, end)
             self.observers.step(record)
-        return CoreOutputs(outputs, sample_end, len(schedule.scheduled), record)
+        kv_events = self.kv_events.flush(end) if self.kv_events is not None else None
+        return CoreOutputs(outputs, sample_end, len(schedule.scheduled), record, kv_events=kv_events)
+
+    # ---- KV events: a consumer that missed batches catches up or resyncs ---------------------------
+
+    def kv_events_since(self, seq: int) -> list[KVEventBatch] | None:
+        """Batches from `seq` on, or None when some fell out of the log (then resync from `kv_snapshot`)."""
+        return self.kv_events.since(seq) if self.kv_events is not None else None
+
+    def kv_snapshot(self) -> KVIndexSnapshot | None:
+        """The whole prefix index as of the last batch (None with KV events off)."""
+        return self.kv_events.snapshot(self.kv_cache.pool, self.clock()) if self.kv_events is not None else None
 
     # ---- update: append, stop checks -------------------------------------------------------------
 

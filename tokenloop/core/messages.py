@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenloop.core.kv_events import KVEventBatch
 from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepRecord
 from tokenloop.request import SamplingParams
 from tokenloop.sampler import TokenLogprobs
@@ -59,3 +60,4 @@ class CoreOutputs:
     record: StepRecord | None = None
     arrivals: list[ArrivalRecord] = field(default_factory=list)  # for observers in the front end
     releases: list[ReleaseInfo] = field(default_factory=list)  # ended outside a step (aborts)
+    kv_events: KVEventBatch | None = None  # what the step did to the prefix index (when enabled)
