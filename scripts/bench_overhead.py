@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.conftest import write_tiny_llama  # noqa: E402 - the tests' tiny random checkpoint
-from tokenloop.engine import LLMEngine  # noqa: E402
-from tokenloop.llm import build_engine_config  # noqa: E402
-from tokenloop.model.loader import load_checkpoint  # noqa: E402
-from tokenloop.request import SamplingParams  # noqa: E402
+from tests.conftest import write_tiny_llama
+from tokenloop.engine import LLMEngine
+from tokenloop.llm import build_engine_config
+from tokenloop.model.loader import load_checkpoint
+from tokenloop.request import SamplingParams
 
 PROMPT_LEN = 16
 
@@ -65,7 +65,7 @@ class _Recorder:
         pass
 
 
-def tiny_checkpoint(directory: Path, max_len: int):  # noqa: ANN201 - a Checkpoint
+def tiny_checkpoint(directory: Path, max_len: int):
     write_tiny_llama(directory)
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())

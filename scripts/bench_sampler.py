@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tokenloop.request import Request, SamplingParams  # noqa: E402
-from tokenloop.sampler import Sampler  # noqa: E402
+from tokenloop.request import Request, SamplingParams
+from tokenloop.sampler import Sampler
 
 VOCAB = 49152
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tokenloop.sampler as sampler_module
+import tokenloop.sampling_ops as sampling_ops
 from tokenloop.errors import InvalidRequestError
 from tokenloop.request import Request, SamplingParams
 from tokenloop.sampler import Sampler
@@ -204,7 +205,7 @@ def test_staged_candidates_give_the_same_thresholds_as_a_full_sort(monkeypatch: 
     top_k = [0, 20, 0, 3000, 0, 5000, 300, 0]
     top_p = [0.9, 0.95, 0.9, 0.8, 0.99, 1.0, 1.0, 0.5]
     staged = sampler_module._top_k_top_p_thresholds(x, top_k, top_p)
-    monkeypatch.setattr(sampler_module, "_CANDIDATE_STAGES", ())
+    monkeypatch.setattr(sampling_ops, "_CANDIDATE_STAGES", ())  # the kernels' module
     full = sampler_module._top_k_top_p_thresholds(x, top_k, top_p)
     assert torch.equal(staged, full)
     for row, k in enumerate(top_k):
