@@ -396,3 +396,17 @@ def test_draws_across_draw_blocks_follow_softmax() -> None:
                                            [make_request(SamplingParams()) for _ in range(3000)]).token_ids
     counts = [tokens.count(t) for t in picked] + [sum(t not in picked for t in tokens)]
     assert_follows(counts, expected)
+
+
+@settings(max_examples=50, deadline=None)
+@given(batches(), st.integers(0, 2**16))
+def test_a_sampling_batch_samples_as_its_request_list_does(batch: tuple[torch.Tensor, list[Request]],
+                                                           seed: int) -> None:
+    logits, requests = batch
+    from_list = Sampler(logits.shape[1], seed=seed).sample(logits, requests)
+    # Fresh requests: seeded rows' generators must start from the same state in both runs.
+    again = [make_request(r.sampling_params, prompt=r.prompt_token_ids, output=r.output_token_ids,
+                          eos=r.eos_token_id, request_id=r.request_id) for r in requests]
+    built = sampler_module.SamplingBatch.from_requests(again, logits.shape[1])
+    from_batch = Sampler(logits.shape[1], seed=seed).sample(logits, built)
+    assert from_batch == from_list
