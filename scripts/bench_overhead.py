@@ -47,6 +47,8 @@ class StepTimes:
     total_s: float
     forward_s: float
     full_decode: bool
+    build_s: float = 0.0  # runner.execute outside the forward: step tensors and attention metadata
+    sample_s: float = 0.0
 
 
 @dataclass
@@ -55,6 +57,8 @@ class _Recorder:
 
     num_requests: int
     forward_s: float = 0.0
+    execute_s: float = 0.0
+    sample_s: float = 0.0
     full_decode: bool = False
     records: list[Any] = field(default_factory=list)
 
@@ -89,14 +93,25 @@ def run(checkpoint: Any, num_requests: int, output_len: int, seed: int) -> list[
 
     execute = engine.runner.execute
 
+    sample = engine.sampler.sample
+
     def timed_execute(schedule: Any) -> Any:
+        begin = time.perf_counter()
         result = execute(schedule)
+        recorder.execute_s += time.perf_counter() - begin
         recorder.forward_s += result.forward_s
         recorder.full_decode = (len(schedule.scheduled) == num_requests
                                 and schedule.num_batched_tokens == num_requests)
         return result
 
+    def timed_sample(logits: Any, batch: Any) -> Any:
+        begin = time.perf_counter()
+        result = sample(logits, batch)
+        recorder.sample_s += time.perf_counter() - begin
+        return result
+
     engine.runner.execute = timed_execute  # type: ignore[method-assign]
+    engine.sampler.sample = timed_sample  # type: ignore[method-assign]
     rng = random.Random(seed)
     vocab = checkpoint.config.vocab_size
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
@@ -105,7 +120,7 @@ def run(checkpoint: Any, num_requests: int, output_len: int, seed: int) -> list[
                            prompt_token_ids=[rng.randrange(10, vocab) for _ in range(PROMPT_LEN)])
     steps: list[StepTimes] = []
     while engine.has_unfinished_requests():
-        recorder.forward_s, recorder.full_decode = 0.0, False
+        recorder.forward_s, recorder.execute_s, recorder.sample_s, recorder.full_decode = 0.0, 0.0, 0.0, False
         num_records = len(recorder.records)
         begin = time.perf_counter()
         engine.step()
@@ -114,7 +129,8 @@ def run(checkpoint: Any, num_requests: int, output_len: int, seed: int) -> list[
         if len(recorder.records) > num_records:  # the engine's own record of the step, when it has one
             record = recorder.records[-1]
             total, forward = (record.end_ns - record.start_ns) / 1e9, record.forward_ns / 1e9
-        steps.append(StepTimes(total, forward, recorder.full_decode))
+        steps.append(StepTimes(total, forward, recorder.full_decode, recorder.execute_s - recorder.forward_s,
+                               recorder.sample_s))
     return steps
 
 
@@ -130,7 +146,12 @@ def summarise(steps: list[StepTimes], last: int) -> dict[str, float]:
     step_ms, over_ms, over_pct = stats(decode)
     _, tail_ms, tail_pct = stats(tail)
     median_over = 1e3 * statistics.median(s.total_s - s.forward_s for s in decode)
-    return {"steps": len(decode), "step_ms": step_ms, "overhead_ms": over_ms, "overhead_pct": over_pct,
+    build_ms = 1e3 * statistics.mean(s.build_s for s in decode)
+    tail_build_ms = 1e3 * statistics.mean(s.build_s for s in tail)
+    sample_ms = 1e3 * statistics.mean(s.sample_s for s in decode)
+    tail_sample_ms = 1e3 * statistics.mean(s.sample_s for s in tail)
+    return {"build_ms": build_ms, "tail_build_ms": tail_build_ms, "sample_ms": sample_ms,
+            "tail_sample_ms": tail_sample_ms, "steps": len(decode), "step_ms": step_ms, "overhead_ms": over_ms, "overhead_pct": over_pct,
             "median_overhead_ms": median_over, "tail_overhead_ms": tail_ms, "tail_overhead_pct": tail_pct}
 
 
@@ -154,12 +175,14 @@ def main() -> None:
     print(f"\n{args.requests} running requests, tiny random Llama (2 layers, width 64), fp32, greedy, "
           f"{torch.get_num_threads()} threads")
     print("| output tokens | decode steps | step ms | forward ms | overhead ms | overhead % "
-          f"| overhead ms, last {args.last} steps | overhead %, last {args.last} |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"| overhead ms, last {args.last} steps | overhead %, last {args.last} "
+          f"| of it: batch build ms (mean / last {args.last}) | sampler ms (mean / last {args.last}) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for length, s in rows:
         print(f"| {length:,} | {s['steps']:.0f} | {s['step_ms']:.2f} | {s['step_ms'] - s['overhead_ms']:.2f} "
               f"| {s['overhead_ms']:.2f} | {s['overhead_pct']:.1f}% | {s['tail_overhead_ms']:.2f} "
-              f"| {s['tail_overhead_pct']:.1f}% |")
+              f"| {s['tail_overhead_pct']:.1f}% | {s['build_ms']:.2f} / {s['tail_build_ms']:.2f} "
+              f"| {s['sample_ms']:.2f} / {s['tail_sample_ms']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ VOCAB = 11
 class _CapturingModel:
     """Stands in for LlamaModel: records what the runner feeds the forward, returns rows of its indices."""
 
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     decode_kernel: Any = None
     last_weight_form: str = "fp32"
     calls: list[dict[str, Any]] = field(default_factory=list)
@@ -28,7 +28,8 @@ class _CapturingModel:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list:
         return []
 
-    def forward(self, input_ids, positions, meta, kv_caches, logits_indices):  # noqa: ANN001, ANN201
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list,
+                logits_indices: torch.Tensor) -> torch.Tensor:
         self.calls.append({"input_ids": input_ids.tolist(), "positions": positions.tolist(),
                            "slots": meta.slot_mapping.tolist(), "query_start_loc": meta.query_start_loc,
                            "seq_lens": meta.seq_lens, "logits_indices": logits_indices.tolist(),

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tokenloop.sampler as sampler_module
-import tokenloop.sampling_ops as sampling_ops
+from tokenloop import sampling_ops
 from tokenloop.errors import InvalidRequestError
 from tokenloop.request import Request, SamplingParams
 from tokenloop.sampler import Sampler
