@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tokenloop.sampler as sampler_module
+from tokenloop import sampling_ops
 from tokenloop.errors import InvalidRequestError
 from tokenloop.request import Request, SamplingParams
 from tokenloop.sampler import Sampler
@@ -204,7 +205,7 @@ def test_staged_candidates_give_the_same_thresholds_as_a_full_sort(monkeypatch: 
     top_k = [0, 20, 0, 3000, 0, 5000, 300, 0]
     top_p = [0.9, 0.95, 0.9, 0.8, 0.99, 1.0, 1.0, 0.5]
     staged = sampler_module._top_k_top_p_thresholds(x, top_k, top_p)
-    monkeypatch.setattr(sampler_module, "_CANDIDATE_STAGES", ())
+    monkeypatch.setattr(sampling_ops, "_CANDIDATE_STAGES", ())  # the kernels' module
     full = sampler_module._top_k_top_p_thresholds(x, top_k, top_p)
     assert torch.equal(staged, full)
     for row, k in enumerate(top_k):
@@ -395,3 +396,17 @@ def test_draws_across_draw_blocks_follow_softmax() -> None:
                                            [make_request(SamplingParams()) for _ in range(3000)]).token_ids
     counts = [tokens.count(t) for t in picked] + [sum(t not in picked for t in tokens)]
     assert_follows(counts, expected)
+
+
+@settings(max_examples=50, deadline=None)
+@given(batches(), st.integers(0, 2**16))
+def test_a_sampling_batch_samples_as_its_request_list_does(batch: tuple[torch.Tensor, list[Request]],
+                                                           seed: int) -> None:
+    logits, requests = batch
+    from_list = Sampler(logits.shape[1], seed=seed).sample(logits, requests)
+    # Fresh requests: seeded rows' generators must start from the same state in both runs.
+    again = [make_request(r.sampling_params, prompt=r.prompt_token_ids, output=r.output_token_ids,
+                          eos=r.eos_token_id, request_id=r.request_id) for r in requests]
+    built = sampler_module.SamplingBatch.from_requests(again, logits.shape[1])
+    from_batch = Sampler(logits.shape[1], seed=seed).sample(logits, built)
+    assert from_batch == from_list

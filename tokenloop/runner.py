@@ -4,6 +4,11 @@ It builds the step's flat tensors (`input_ids`, `positions`, `slot_mapping`, `qu
 `seq_lens`, `block_table`, `logits_indices`) and returns logits only where something will be read:
 the last position of each request that samples this step, and every prompt position of a request
 that asked for prompt logprobs.
+
+Block tables live in one persistent `[rows, max blocks]` array: a request gets a row on admission,
+the scheduler's diffs append to it, and a release frees it. A step's tensors are then computed over
+the whole batch at once from a few per-request numbers, so a step's cost does not grow with how long
+the requests' outputs are, beyond the block-table rows the attention reads anyway.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tokenloop.core.scheduler import SchedulerOutput
@@ -38,6 +44,66 @@ class RunnerOutput:
     weight_form: str = ""  # the form the projections ran in this step (int4, bfloat16, ...): rows decide
 
 
+class BlockTables:
+    """Every live request's block table as one row of a preallocated int64 array, grown on demand.
+
+    Entries past a row's length are 0, so a step's table slice is valid padding without a fill.
+    """
+
+    def __init__(self, num_rows: int = 64, num_cols: int = 16) -> None:
+        self.table = np.zeros((num_rows, num_cols), dtype=np.int64)
+        self.lengths = np.zeros(num_rows, dtype=np.int64)
+        self.rows: dict[str, int] = {}  # request id -> its row
+        self._free_rows = list(range(num_rows - 1, -1, -1))  # popped from the end: low rows first
+
+    def release(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is None:
+            return
+        self.table[row, :self.lengths[row]] = 0
+        self.lengths[row] = 0
+        self._free_rows.append(row)
+
+    def reset(self, request_id: str) -> int:
+        """An empty table for `request_id` (a new row, or its own row emptied); returns the row."""
+        row = self.rows.get(request_id)
+        if row is not None:
+            self.table[row, :self.lengths[row]] = 0
+            self.lengths[row] = 0
+            return row
+        if not self._free_rows:
+            self._grow_rows()
+        row = self._free_rows.pop()
+        self.rows[request_id] = row
+        return row
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.lengths[row])
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            self._grow_cols(end)
+        self.table[row, start:end] = block_ids
+        self.lengths[row] = end
+
+    def get(self, request_id: str) -> list[int]:
+        row = self.rows.get(request_id)
+        return [] if row is None else self.table[row, :self.lengths[row]].tolist()
+
+    def _grow_rows(self) -> None:
+        old = self.table.shape[0]
+        self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+        self.lengths = np.concatenate([self.lengths, np.zeros_like(self.lengths)])
+        self._free_rows.extend(range(2 * old - 1, old - 1, -1))
+
+    def _grow_cols(self, needed: int) -> None:
+        cols = self.table.shape[1]
+        while cols < needed:
+            cols *= 2
+        grown = np.zeros((self.table.shape[0], cols), dtype=np.int64)
+        grown[:, :self.table.shape[1]] = self.table
+        self.table = grown
+
+
 class ModelRunner:
     """Runs the model over the paged KV cache, one scheduler step at a time."""
 
@@ -47,7 +113,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = model.device
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
-        self._tables: dict[str, list[int]] = {}  # request id -> its block table, kept up to date by diffs
+        self.tables = BlockTables()
 
     def apply_block_diffs(self, output: SchedulerOutput) -> None:
         """Bring the persistent block tables up to this step: drop released requests, append new blocks.
@@ -55,79 +121,102 @@ class ModelRunner:
         Called once per step before `execute` (which may run more than once for one step when a forward
         fails and the engine isolates the culprit).
         """
-        tables = self._tables
+        tables = self.tables
         for request_id in output.released_request_ids:
-            tables.pop(request_id, None)
+            tables.release(request_id)
+        rows = tables.rows
         for item in output.scheduled:
             if item.admitted:
-                tables[item.request_id] = list(item.new_block_ids)
+                tables.append(tables.reset(item.request_id), item.new_block_ids)
             elif item.new_block_ids:
-                tables[item.request_id].extend(item.new_block_ids)
+                tables.append(rows[item.request_id], item.new_block_ids)
 
     def block_table(self, request_id: str) -> list[int]:
-        return self._tables.get(request_id, [])
+        return self.tables.get(request_id)
 
     @property
     def last_weight_form(self) -> str:
         """The form the last step's projections ran in (int4 / q8_0 for small batches, bf16 for large)."""
         return self.model.last_weight_form
 
-    def _prompt_logit_rows(self, start: int, n: int, num_prompt: int) -> range:
-        """Rows of this chunk whose next token is a prompt token (positions start .. num_prompt - 2)."""
-        return range(start, min(start + n, num_prompt - 1))
-
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         block_size = self.block_size
+        scheduled = output.scheduled
+        tables = self.tables
+        row_of = tables.rows
+        # The only per-request Python work: read three numbers and this step's token ids.
+        rows = np.fromiter((row_of[item.request_id] for item in scheduled), np.int64, len(scheduled))
+        starts = np.fromiter((item.num_computed_tokens for item in scheduled), np.int64, len(scheduled))
+        counts = np.fromiter((item.num_tokens for item in scheduled), np.int64, len(scheduled))
         input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        sample_indices: list[int] = []
+        for item in scheduled:
+            tokens = item.request.all_token_ids
+            start = item.num_computed_tokens
+            if item.num_tokens == 1:
+                input_ids.append(tokens[start])
+            else:
+                input_ids.extend(tokens[start:start + item.num_tokens])
+
+        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start_loc[1:])
+        seq_lens = starts + counts
+        # Position of each flat token: its index minus where its request's run starts, plus its start.
+        token_rows = np.repeat(np.arange(len(scheduled)), counts)
+        shift = starts - query_start_loc[:-1]
+        positions = np.arange(int(query_start_loc[-1]), dtype=np.int64) + shift[token_rows]
+        width = int((seq_lens.max() + block_size - 1) // block_size)
+        table = tables.table[rows, :width]
+        slots = table[token_rows, positions // block_size] * block_size + positions % block_size
+
+        samples = np.fromiter((item.samples for item in scheduled), np.bool_, len(scheduled))
+        sample_indices = np.flatnonzero(samples)
         prompt_rows: list[tuple[str, int, int, int]] = []  # request id, first target, first row, count
-        tables = [self._tables[item.request_id] for item in output.scheduled]
-        width = max(len(t) for t in tables)
-        table = torch.zeros(len(output.scheduled), width, dtype=torch.long)
+        if any(item.request.sampling_params.prompt_logprobs is not None for item in scheduled):
+            logits_rows, prompt_rows = self._logits_rows_with_prompts(output, query_start_loc)
+            logits_index = torch.tensor(logits_rows, dtype=torch.long)
+        else:
+            logits_index = torch.from_numpy(query_start_loc[1:][sample_indices] - 1)
 
-        for row, item in enumerate(output.scheduled):
-            request = item.request
-            start, n = item.num_computed_tokens, item.num_tokens
-            end = start + n
-            input_ids.extend(request.all_token_ids[start:end])
-            blocks = torch.tensor(tables[row], dtype=torch.long)
-            table[row, :len(blocks)] = blocks
-            pos = torch.arange(start, end)
-            positions.append(pos)
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-            base = query_start_loc[-1]
-            query_start_loc.append(base + n)
-            seq_lens.append(end)
-            wanted = request.sampling_params.prompt_logprobs
-            if wanted is not None:
-                rows = self._prompt_logit_rows(start, n, request.num_prompt_tokens)
-                if len(rows):
-                    prompt_rows.append((request.request_id, rows.start + 1, len(logits_rows), len(rows)))
-                    logits_rows.extend(base + p - start for p in rows)
-            if item.samples:
-                sample_indices.append(row)
-                logits_rows.append(base + n - 1)
-
-        meta = AttentionMetadata.build(query_start_loc, seq_lens, table.to(self.device),
-                                       torch.cat(slots).to(self.device), block_size, self.model.decode_kernel)
+        device = self.device
+        meta = AttentionMetadata.build(torch.from_numpy(query_start_loc), torch.from_numpy(seq_lens),
+                                       torch.from_numpy(table).to(device), torch.from_numpy(slots).to(device),
+                                       block_size, self.model.decode_kernel)
         begin = time.perf_counter()
         logits = self.model.forward(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.cat(positions).to(self.device), meta, self.kv_caches,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device))
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.from_numpy(positions).to(device), meta, self.kv_caches, logits_index.to(device))
         logits = logits.float().cpu()  # the sampler works on the host; a no-op for a CPU model
         forward_s = time.perf_counter() - begin
 
-        prompt_logits = [PromptLogitsSlice(rid, first, logits[at:at + count])
-                         for rid, first, at, count in prompt_rows]
-        keep = torch.ones(len(logits_rows), dtype=torch.bool)
-        for _, _, at, count in prompt_rows:
-            keep[at:at + count] = False
-        return RunnerOutput(sample_indices, logits[keep.to(logits.device)] if prompt_rows else logits,
-                            prompt_logits, forward_s, self.model.last_weight_form)
+        if prompt_rows:
+            prompt_logits = [PromptLogitsSlice(rid, first, logits[at:at + count])
+                             for rid, first, at, count in prompt_rows]
+            keep = torch.ones(len(logits_index), dtype=torch.bool)
+            for _, _, at, count in prompt_rows:
+                keep[at:at + count] = False
+            return RunnerOutput(sample_indices.tolist(), logits[keep], prompt_logits, forward_s,
+                                self.model.last_weight_form)
+        return RunnerOutput(sample_indices.tolist(), logits, [], forward_s, self.model.last_weight_form)
+
+    @staticmethod
+    def _logits_rows_with_prompts(output: SchedulerOutput, query_start_loc: np.ndarray,
+                                  ) -> tuple[list[int], list[tuple[str, int, int, int]]]:
+        """Logits rows when some request wants prompt logprobs: its prompt rows, then its sample row, per
+        request in batch order (the order the forward has always selected them in)."""
+        logits_rows: list[int] = []
+        prompt_rows: list[tuple[str, int, int, int]] = []
+        for row, item in enumerate(output.scheduled):
+            request = item.request
+            start, n = item.num_computed_tokens, item.num_tokens
+            base = int(query_start_loc[row])
+            if request.sampling_params.prompt_logprobs is not None:
+                # Rows of this chunk whose next token is a prompt token (positions start .. num_prompt - 2).
+                targets = range(start, min(start + n, request.num_prompt_tokens - 1))
+                num = len(targets)
+                if num:
+                    prompt_rows.append((request.request_id, targets.start + 1, len(logits_rows), num))
+                    logits_rows.extend(range(base, base + num))
+            if item.samples:
+                logits_rows.append(base + n - 1)
+        return logits_rows, prompt_rows

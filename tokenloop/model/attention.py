@@ -60,23 +60,27 @@ class AttentionMetadata:
     @classmethod
     def build(
         cls,
-        query_start_loc: list[int],
-        seq_lens: list[int],
+        query_start_loc: list[int] | torch.Tensor,
+        seq_lens: list[int] | torch.Tensor,
         block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_size: int,
         decode_kernel: ModuleType | None = None,
     ) -> AttentionMetadata:
+        """The layout from the step's flat tensors; `query_start_loc` [B+1] and `seq_lens` [B] may be int64
+        tensors (the runner's, built over the batch at once) or lists."""
         device = slot_mapping.device
-        query_lens = [end - start for start, end in zip(query_start_loc, query_start_loc[1:])]
-        decode_rows = [row for row, length in enumerate(query_lens) if length == 1]
+        starts = torch.as_tensor(query_start_loc, dtype=torch.long)
+        lens_all = torch.as_tensor(seq_lens, dtype=torch.long)
+        query_lens = starts[1:] - starts[:-1]
+        decode_rows = torch.nonzero(query_lens == 1).squeeze(1)
         decode: DecodeGroup | None = None
-        if decode_rows:
-            rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            lens = torch.tensor([seq_lens[r] for r in decode_rows], dtype=torch.long, device=device)
+        if decode_rows.numel():
+            lens = lens_all[decode_rows].to(device)
             max_blocks = (int(lens.max()) + block_size - 1) // block_size
-            blocks = block_table.index_select(0, rows)[:, :max_blocks].to(torch.long).contiguous()
-            token_index = torch.tensor([query_start_loc[r] for r in decode_rows], dtype=torch.long, device=device)
+            blocks = block_table.index_select(0, decode_rows.to(device))[:, :max_blocks]
+            blocks = blocks.to(torch.long).contiguous()
+            token_index = starts[decode_rows].to(device)
             decode = DecodeGroup(token_index=token_index, block_table=blocks, seq_lens=lens, kernel=decode_kernel)
             if decode_kernel is None:
                 # Padding entries past a request's last block may hold garbage ids: point them at its first block.
@@ -87,11 +91,10 @@ class AttentionMetadata:
                 decode.mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
 
         prefills: list[PrefillSpan] = []
-        for row, q_len in enumerate(query_lens):
-            if q_len <= 1:
-                continue
-            seq_len = seq_lens[row]
-            start = query_start_loc[row]
+        starts_list, lens_list = starts.tolist(), lens_all.tolist()
+        for row in torch.nonzero(query_lens > 1).squeeze(1).tolist():  # prefill chunks are few per step
+            start, seq_len = starts_list[row], lens_list[row]
+            q_len = starts_list[row + 1] - start
             if seq_len == q_len:  # nothing cached before this chunk: attend over the new K/V directly
                 prefills.append(PrefillSpan(start, start + q_len, None, None))
                 continue
@@ -100,7 +103,7 @@ class AttentionMetadata:
             query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
             mask = positions[None, :] <= query_pos[:, None]
             prefills.append(PrefillSpan(start, start + q_len, slots, mask))
-        return cls(slot_mapping, list(query_start_loc), list(seq_lens), block_table, block_size, decode, prefills)
+        return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, prefills)
 
 
 def write_kv(
