@@ -39,7 +39,7 @@ from tokenloop.observe.records import (
 )
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
 from tokenloop.runner import ModelRunner, RunnerOutput
-from tokenloop.sampler import Sampler, TokenLogprobs
+from tokenloop.sampler import Sampler, SamplingBatch, TokenLogprobs
 from tokenloop.structured.engine_hooks import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -385,7 +385,7 @@ class EngineCore:
                          ) -> list[tuple[Request, int, TokenLogprobs | None]]:
         """Sample every row at once; if that raises, row by row, failing only the rows that raise."""
         try:
-            out = self.sampler.sample(logits, requests)
+            out = self.sampler.sample(logits, SamplingBatch.from_requests(requests, self.vocab_size))
             return list(zip(requests, out.token_ids, out.logprobs))
         except Exception:  # noqa: BLE001 - isolate below
             logger.exception("sampling failed for a batch of %d request(s)", len(requests))
