@@ -198,7 +198,10 @@ class ObserverSet:
 
 
 def _safely(observer: object, hook: str, record: object) -> None:
+    method = getattr(observer, hook, None)
+    if method is None:
+        return  # every hook is optional
     try:
-        getattr(observer, hook)(record)
+        method(record)
     except Exception:  # noqa: BLE001 - an observer must never take the loop down
         logger.exception("observer %r failed in %s", observer, hook)
