@@ -52,6 +52,10 @@ class LLMEngine:
         if tracer is not None and hasattr(tracer, "bind"):
             tracer.bind(self.tokenizer, self.core.kv_cache.block_size, clock)
 
+    def add_observer(self, observer: Observes) -> None:
+        """One more receiver of the core's records (from the next record on)."""
+        self.core.observers.add(observer)
+
     # The core's rooms, for tools and tests that look inside a step.
     @property
     def max_model_len(self) -> int:
