@@ -8,6 +8,7 @@ from tokenloop.observe.exports import (
     to_chrome_trace,
     to_mechanism,
 )
+from tokenloop.observe.tracer import Tracer
 from tokenloop.observe.traces import (
     STAGES,
     ChunkTrace,
@@ -17,7 +18,6 @@ from tokenloop.observe.traces import (
     RequestSummary,
     RequestTrace,
 )
-from tokenloop.observe.tracer import Tracer
 
 __all__ = ["MECHANISM_TARGETS", "STAGES", "STATE_LABELS", "ChunkTrace", "IterationTrace", "ReleaseTrace",
            "RequestEvent", "RequestSummary", "RequestTrace", "Segment", "Tracer", "request_timeline",

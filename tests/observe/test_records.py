@@ -19,7 +19,12 @@ from tokenloop.core.scheduler import Scheduler
 from tokenloop.engine import LLMEngine, RequestOutput
 from tokenloop.model.loader import Checkpoint
 from tokenloop.observe.metrics import EngineMetrics
-from tokenloop.observe.records import ArrivalRecord, EngineObserver, ReleaseInfo, StepRecord
+from tokenloop.observe.records import (
+    ArrivalRecord,
+    EngineObserver,
+    ReleaseInfo,
+    StepRecord,
+)
 from tokenloop.observe.tracer import Tracer
 from tokenloop.request import SamplingParams
 
@@ -136,7 +141,7 @@ def test_records_reconcile_with_the_engine(tiny: Checkpoint) -> None:
     # Requests: one release per core request that arrived; the same ends as the user-facing outputs.
     assert not replay.live and sorted(replay.arrivals) == sorted(r.request_id for r in replay.releases)
     completions = [c for o in finals.values() for c in o.outputs]
-    assert len(completions) == len(replay.releases) == len(PROMPTS) + 3  # n=2 adds one, the queued abort and "again"
+    assert len(completions) == len(replay.releases) == len(PROMPTS) + 3  # n=2, queued abort, "again"
     assert Counter(c.finish_reason for c in completions) == Counter(r.finish_reason for r in replay.releases)
     assert Counter(r.finish_reason for r in replay.releases) == {"length": len(PROMPTS) + 1, "abort": 2}
     # Tokens: what the records sampled is what each sample generated, in order.

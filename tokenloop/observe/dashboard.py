@@ -60,8 +60,9 @@ def _blocks(gauges: StepGauges | None) -> dict[str, Any]:
         return {}
     total, cached_free = gauges.num_blocks, gauges.num_cached_free_blocks
     queries = gauges.prefix_cache_queries
-    return {"num_blocks": total, "block_size": gauges.block_size, "referenced": total - gauges.num_free_blocks,
-            "cached_free": cached_free, "free": gauges.num_free_blocks - cached_free,
+    return {"num_blocks": total, "block_size": gauges.block_size,
+            "referenced": total - gauges.num_free_blocks, "cached_free": cached_free,
+            "free": gauges.num_free_blocks - cached_free,
             "prefix_cache_hit_rate": gauges.prefix_cache_hits / queries if queries else 0.0,
             "evictions": gauges.evictions}
 
@@ -99,7 +100,8 @@ def build_state(s: Snapshot) -> dict[str, Any]:
             "index": it.index, "start_ms": ms(it.start_ns), "end_ms": ms(it.end_ns),
             "stages_ms": {k: round(v / 1e6, 4) for k, v in it.stage_ns().items()},
             "forward_ms": round(it.forward_ns / 1e6, 4), "batch": it.num_scheduled,
-            "tokens": it.num_batched_tokens, "prefill_tokens": it.num_prefill_tokens, "sampled": it.num_sampled,
+            "tokens": it.num_batched_tokens, "prefill_tokens": it.num_prefill_tokens,
+            "sampled": it.num_sampled,
             "admitted": it.num_admitted, "preempted": it.num_preempted, "finished": it.num_finished,
             "blocks_allocated": it.blocks_allocated, "blocks_reused": it.blocks_reused,
             "prefix_hit_tokens": it.prefix_hit_tokens, "running": it.num_running, "waiting": it.num_waiting,

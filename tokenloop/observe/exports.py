@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from tokenloop.observe.traces import STAGES, ChunkTrace, IterationTrace, RequestTrace
 
@@ -106,7 +107,8 @@ def request_timeline(trace: RequestTrace) -> list[Segment]:
         kv_start = it.schedule_end_ns - it.kv_ns
         for kind, a, b in (("schedule", it.start_ns, kv_start), ("kv", kv_start, it.schedule_end_ns),
                            ("execute", it.schedule_end_ns, it.execute_end_ns),
-                           ("sample", it.execute_end_ns, it.sample_end_ns), ("update", it.sample_end_ns, end)):
+                           ("sample", it.execute_end_ns, it.sample_end_ns),
+                           ("update", it.sample_end_ns, end)):
             segments.append(Segment(kind, a, b, chunk, last))
         cursor = end
     if release is not None:
@@ -137,9 +139,12 @@ def to_chrome_trace(iterations: Sequence[IterationTrace], traces: Sequence[Reque
     transitions.
     """
     events: list[dict[str, Any]] = [
-        {"ph": "M", "pid": _ENGINE_PID, "tid": 0, "name": "process_name", "args": {"name": "tokenloop engine"}},
-        {"ph": "M", "pid": _ENGINE_PID, "tid": _LOOP_TID, "name": "thread_name", "args": {"name": "engine loop"}},
-        {"ph": "M", "pid": _ENGINE_PID, "tid": _LOOP_TID, "name": "thread_sort_index", "args": {"sort_index": 0}},
+        {"ph": "M", "pid": _ENGINE_PID, "tid": 0, "name": "process_name",
+         "args": {"name": "tokenloop engine"}},
+        {"ph": "M", "pid": _ENGINE_PID, "tid": _LOOP_TID, "name": "thread_name",
+         "args": {"name": "engine loop"}},
+        {"ph": "M", "pid": _ENGINE_PID, "tid": _LOOP_TID, "name": "thread_sort_index",
+         "args": {"sort_index": 0}},
     ]
 
     def span(tid: int, name: str, start: int, end: int, cat: str, args: dict[str, Any] | None = None) -> None:
@@ -153,8 +158,9 @@ def to_chrome_trace(iterations: Sequence[IterationTrace], traces: Sequence[Reque
     for it in iterations:
         stage_ns = it.stage_ns()
         span(_LOOP_TID, f"step {it.index}", it.start_ns, it.end_ns, "iteration", {
-            "batch": it.num_scheduled, "tokens": it.num_batched_tokens, "prefill_tokens": it.num_prefill_tokens,
-            "sampled": it.num_sampled, "admitted": it.num_admitted, "preempted": it.num_preempted,
+            "batch": it.num_scheduled, "tokens": it.num_batched_tokens,
+            "prefill_tokens": it.num_prefill_tokens, "sampled": it.num_sampled, "admitted": it.num_admitted,
+            "preempted": it.num_preempted,
             "finished": it.num_finished, "blocks_allocated": it.blocks_allocated,
             "blocks_reused": it.blocks_reused, "prefix_hit_tokens": it.prefix_hit_tokens,
             "forward_ms": it.forward_ns / 1e6, "running": it.num_running, "waiting": it.num_waiting,
@@ -228,10 +234,11 @@ def _request_track(trace: RequestTrace, tid: int, span: Callable[..., None], eve
 
 
 def _jsonable(args: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v if isinstance(v, (int, float, str, bool, list, type(None))) else str(v)) for k, v in args.items()}
+    plain = (int, float, str, bool, list, type(None))
+    return {k: (v if isinstance(v, plain) else str(v)) for k, v in args.items()}
 
 
-# ---- mechanism-diagram export -------------------------------------------------------------------------------
+# ---- mechanism-diagram export ------------------------------------------------------------------------
 
 def _file_sha256(path: Path) -> str:
     try:
@@ -269,7 +276,8 @@ def to_mechanism(trace: RequestTrace, decode: Callable[[Sequence[int]], str] = l
         cum_us = round(cum_ns / 1000)
         duration_ms = (cum_us - cum_us_prev) / 1000
         cum_us_prev = cum_us
-        title, description, active, paths, artifact = _describe(seg, trace, decode, block_size, sampled_before)
+        title, description, active, paths, artifact = _describe(seg, trace, decode, block_size,
+                                                                sampled_before)
         if seg.kind == "sample" and seg.chunk is not None and seg.chunk.token_id is not None:
             sampled_before += 1
         steps.append({"title": title, "description": description, "duration": duration_ms, "active": active,
@@ -293,14 +301,15 @@ def to_mechanism(trace: RequestTrace, decode: Callable[[Sequence[int]], str] = l
         "version": 1,
         "language": "en",
         "title": f"Serving iteration, measured: request {trace.request_id}",
-        "description": ("One real request through tokenloop's serving loop: it waits in the queue, is admitted "
-                        "with KV blocks allocated or reused from the prefix cache, runs in batches, samples one "
-                        "token per step, returns to scheduling while unfinished, and releases its block "
-                        "references when it completes. " + summary),
+        "description": ("One real request through tokenloop's serving loop: it waits in the queue, is "
+                        "admitted with KV blocks allocated or reused from the prefix cache, runs in batches, "
+                        "samples one token per step, returns to scheduling while unfinished, and releases "
+                        "its block references when it completes. " + summary),
         "caption": (f"Request {trace.request_id}, recorded by tokenloop's tracer. Output: {text!r}. "
                     "Step durations are measured engine time, not illustrative playback time."),
-        "alt": ("Serving-loop flow for one measured request: queue, scheduler, KV allocation and reuse, model "
-                "executor, sampling and update repeated per generated token, then release of references."),
+        "alt": ("Serving-loop flow for one measured request: queue, scheduler, KV allocation and reuse, "
+                "model executor, sampling and update repeated per generated token, then release of "
+                "references."),
         "sources": [
             {"path": "tokenloop/observe/tracer.py", "sha256": _file_sha256(here.parent / "tracer.py"),
              "description": "Tracer that kept the engine's step records and the request's transitions."},
@@ -314,8 +323,8 @@ def to_mechanism(trace: RequestTrace, decode: Callable[[Sequence[int]], str] = l
             "Durations are one measured run on one machine; they vary from run to run.",
             "KV lookups and allocations interleave with scheduling decisions inside one call; their summed "
             "time is shown as the KV step after the scheduling step.",
-            "Stages are per batch: a request shares each step's schedule, execute, sample and update time with "
-            "the other requests in its batch.",
+            "Stages are per batch: a request shares each step's schedule, execute, sample and update time "
+            "with the other requests in its batch.",
         ],
         "targets": {key: dict(value) for key, value in MECHANISM_TARGETS.items()},
         "stateLabels": dict(STATE_LABELS),
@@ -331,17 +340,19 @@ def to_mechanism(trace: RequestTrace, decode: Callable[[Sequence[int]], str] = l
     }
 
 
-def _describe(seg: Segment, trace: RequestTrace, decode: Callable[[Sequence[int]], str], block_size: int | None,
-              sampled_before: int) -> tuple[str, str, list[str], list[str], str]:
+def _describe(seg: Segment, trace: RequestTrace, decode: Callable[[Sequence[int]], str],
+              block_size: int | None, sampled_before: int) -> tuple[str, str, list[str], list[str], str]:
     """Title, description, active targets, paths and artifact of one step."""
     chunk = seg.chunk
     took = _ms(seg.duration_ns)
     if seg.kind == "queue":
-        return ("Wait in the queue", f"The request waits in the scheduler's queue until a step admits it ({took}).",
+        return ("Wait in the queue",
+                f"The request waits in the scheduler's queue until a step admits it ({took}).",
                 ["state"], [], f"{trace.num_prompt_tokens} prompt tokens waiting; queue wait {took}")
     if seg.kind == "wait":
-        return ("Return to scheduling", f"The unfinished request returns to scheduling ({took} until the next "
-                "step that serves it).", ["schedule"], ["unfinished"],
+        return ("Return to scheduling",
+                f"The unfinished request returns to scheduling ({took} until the next step that serves it).",
+                ["schedule"], ["unfinished"],
                 f"{sampled_before} output tokens so far; the next step becomes schedulable")
     if seg.kind == "preempted":
         return ("Preempted: wait to recompute", "The scheduler preempted the request to free KV blocks for "
@@ -369,24 +380,27 @@ def _describe(seg: Segment, trace: RequestTrace, decode: Callable[[Sequence[int]
         return ("Select runnable work" if first_iteration else "Schedule the next step",
                 f"The scheduler builds step {it.index}: {what} ({took}).",
                 ["state", "schedule"] if first_iteration else ["schedule"], ["admit"],
-                f"step {it.index}: batch of {it.num_scheduled} requests, {it.num_batched_tokens} tokens; this "
-                f"request: {what}")
+                f"step {it.index}: batch of {it.num_scheduled} requests, {it.num_batched_tokens} tokens; "
+                f"this request: {what}")
     if seg.kind == "kv":
         reuse = (f", reused {len(chunk.reused_block_ids)} cached {_ids(chunk.reused_block_ids)} "
                  f"({chunk.prefix_hit_tokens} prefix hit tokens)" if chunk.reused_block_ids else "")
         return ("Prepare KV capacity" if first_iteration else "Prepare the next KV mapping",
                 f"The KV cache manager allocates blocks for the step ({took} for the whole batch).",
                 ["kv"], ["allocate"],
-                f"allocated {len(chunk.new_block_ids)} new blocks {_ids(chunk.new_block_ids)}{reuse}; the table "
-                f"holds {chunk.num_blocks} blocks" + (f" of {block_size} tokens" if block_size else ""))
+                f"allocated {len(chunk.new_block_ids)} new blocks {_ids(chunk.new_block_ids)}{reuse}; "
+                f"the table holds {chunk.num_blocks} blocks"
+                + (f" of {block_size} tokens" if block_size else ""))
     if seg.kind == "execute":
-        return ("Execute the selected batch", f"The model runs one forward over the step's {it.num_batched_tokens} "
-                f"tokens ({took}; forward {_ms(it.forward_ns)}).", ["execute"], ["run"],
+        return ("Execute the selected batch",
+                f"The model runs one forward over the step's {it.num_batched_tokens} tokens"
+                f" ({took}; forward {_ms(it.forward_ns)}).", ["execute"], ["run"],
                 f"logits for {it.num_sampled} sampling rows of a batch of {it.num_scheduled}")
     if seg.kind == "sample":
         if chunk.token_id is None:
-            return ("Sample for the batch", f"The batch samples ({took}); this request's chunk ends inside its "
-                    "prompt, so it gets no token yet.", ["sample"], [], "no token: prefill continues")
+            return ("Sample for the batch",
+                    f"The batch samples ({took}); this request's chunk ends inside its prompt, so it gets no "
+                    "token yet.", ["sample"], [], "no token: prefill continues")
         text = decode([chunk.token_id])
         ordinal = sampled_before + 1
         return ("Sample and stream the first token" if ordinal == 1 else f"Sample and stream token {ordinal}",
@@ -395,15 +409,18 @@ def _describe(seg: Segment, trace: RequestTrace, decode: Callable[[Sequence[int]
     # update
     if seg.last and trace.finish_reason is not None:
         reason = trace.finish_reason + (f" ({trace.stop_reason!r})" if trace.stop_reason is not None else "")
-        return ("Set request status to completed", f"The engine appends the token and the completion check ends "
-                f"the request: {reason} ({took}).", ["update"], ["update-output"],
+        return ("Set request status to completed",
+                f"The engine appends the token and the completion check ends the request: {reason} ({took}).",
+                ["update"], ["update-output"],
                 f"finished: {reason}; {chunk.num_output_tokens} output tokens")
     if chunk.token_id is None:
         done = chunk.start + chunk.num_tokens
         return ("Update state", f"The engine records the computed prompt tokens ({took}).", ["update"],
-                ["update-output"], f"{done} of {trace.num_prompt_tokens + (chunk.num_output_tokens or 0)} tokens "
-                "computed; unfinished")
+                ["update-output"],
+                f"{done} of {trace.num_prompt_tokens + (chunk.num_output_tokens or 0)} tokens computed; "
+                "unfinished")
     limit = trace.max_tokens if trace.max_tokens is not None else math.inf
-    return ("Add ID and do a completion check", f"The engine appends token {chunk.token_id} and checks the stop "
-            f"conditions ({took}).", ["update"], ["update-output"],
+    return ("Add ID and do a completion check",
+            f"The engine appends token {chunk.token_id} and checks the stop conditions ({took}).",
+            ["update"], ["update-output"],
             f"{chunk.num_output_tokens} of at most {limit} output tokens; the request stays unfinished")

@@ -19,7 +19,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tokenloop.observe.live import LiveState
@@ -33,7 +39,8 @@ PREFIX = "tokenloop:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Bucket edges (seconds) chosen for a CPU engine: steps take tens to hundreds of milliseconds.
-_TTFT_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TTFT_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                     120.0, 240.0, 480.0)
@@ -77,7 +84,8 @@ class EngineMetrics:
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Preemptions (by recompute) since start.")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a first token.")
+        self.prompt_tokens = counter("prompt_tokens",
+                                     "Prompt tokens of requests that produced a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Requests that ended, by finish reason.",
                                        extra=["finished_reason"])
@@ -89,8 +97,8 @@ class EngineMetrics:
                                              _REQUEST_BUCKETS)
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                             _REQUEST_BUCKETS)
-        self.request_prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
-                                              _REQUEST_BUCKETS)
+        self.request_prefill_time = histogram("request_prefill_time_seconds",
+                                              "First scheduled to first token.", _REQUEST_BUCKETS)
         self.request_decode_time = histogram("request_decode_time_seconds", "First token to last token.",
                                              _REQUEST_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens", "Tokens computed per engine step.",
@@ -99,11 +107,14 @@ class EngineMetrics:
         self._now = LiveState()  # the gauges between steps (an abort on an idle engine takes no step)
         # Labelled children resolved once: `.labels()` takes a lock and a dict lookup each call.
         m = model_name
-        self._running, self._waiting = self.num_requests_running.labels(m), self.num_requests_waiting.labels(m)
-        self._preempted, self._kv_usage = self.num_requests_preempted.labels(m), self.kv_cache_usage_perc.labels(m)
+        self._running = self.num_requests_running.labels(m)
+        self._waiting = self.num_requests_waiting.labels(m)
+        self._preempted = self.num_requests_preempted.labels(m)
+        self._kv_usage = self.kv_cache_usage_perc.labels(m)
         self._queries, self._hits = self.prefix_cache_queries.labels(m), self.prefix_cache_hits.labels(m)
         self._preemptions = self.num_preemptions.labels(m)
-        self._prompt_tokens, self._generation_tokens = self.prompt_tokens.labels(m), self.generation_tokens.labels(m)
+        self._prompt_tokens = self.prompt_tokens.labels(m)
+        self._generation_tokens = self.generation_tokens.labels(m)
         self._ttft, self._itl = self.time_to_first_token.labels(m), self.inter_token_latency.labels(m)
         self._e2e, self._queue = self.e2e_request_latency.labels(m), self.request_queue_time.labels(m)
         self._prefill, self._decode = self.request_prefill_time.labels(m), self.request_decode_time.labels(m)

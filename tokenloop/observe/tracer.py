@@ -22,12 +22,18 @@ import dataclasses
 import random
 import threading
 from collections import OrderedDict, deque
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from tokenloop.observe import dashboard
 from tokenloop.observe.exports import iterations_of, to_chrome_trace, to_mechanism
 from tokenloop.observe.live import LiveState
-from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, ScheduledChunk, StepRecord
+from tokenloop.observe.records import (
+    ArrivalRecord,
+    ReleaseInfo,
+    ScheduledChunk,
+    StepRecord,
+)
 from tokenloop.observe.traces import (
     ChunkTrace,
     IterationTrace,
@@ -60,8 +66,9 @@ class Tracer:
     """
 
     def __init__(self, *, enabled: bool = True, sample_rate: float = 1.0, max_iterations: int = 2048,
-                 max_requests: int = 256, max_summaries: int = 512, seed: int = 0, tokenizer: Decodes | None = None,
-                 block_size: int | None = None, clock: Clock = default_clock) -> None:
+                 max_requests: int = 256, max_summaries: int = 512, seed: int = 0,
+                 tokenizer: Decodes | None = None, block_size: int | None = None,
+                 clock: Clock = default_clock) -> None:
         if not 0.0 <= sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate}")
         if min(max_iterations, max_requests, max_summaries) <= 0:
@@ -224,8 +231,9 @@ class Tracer:
                                        len(trace.output_token_ids)))
         if kind != "decode":
             trace.events.append(RequestEvent("prefill_chunk", it.start_ns, {
-                "iteration": it.index, "kind": kind, "positions": [chunk.start, chunk.start + chunk.num_tokens],
-                "tokens": chunk.num_tokens, "batch_size": it.num_scheduled}))
+                "iteration": it.index, "kind": kind,
+                "positions": [chunk.start, chunk.start + chunk.num_tokens], "tokens": chunk.num_tokens,
+                "batch_size": it.num_scheduled}))
         if chunk.samples:
             trace.recomputing = False
 

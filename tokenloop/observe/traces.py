@@ -6,8 +6,9 @@ values only: nothing here points back into the engine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from tokenloop.observe.records import ReleaseInfo, StepRecord
 
