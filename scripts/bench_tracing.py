@@ -1,16 +1,17 @@
 """What tracing costs: engine step times with tracing off vs on, interleaved in one run.
 
 One engine on the default model runs N requests (random prompt ids, fixed output lengths) with a `Tracer`
-attached, and flips `tracer.enabled` before every step, so "off" and "on" steps alternate over the same
-batch, the same cache state and the same machine noise. Only full decode steps at the target batch size
-are compared (the steady state a server spends its time in). Reported:
+among its observers, and flips `tracer.enabled` before every step, so "off" and "on" steps alternate over
+the same batch, the same cache state and the same machine noise. Only full decode steps at the target batch
+size are compared (the steady state a server spends its time in). Reported:
 
 - median and mean step time with tracing off and on, and the difference as a fraction of the step;
-- the time spent inside the tracer's hooks on "on" steps (measured directly around each hook call), which
-  does not depend on machine noise.
+- the time spent inside the tracer's record handlers on "on" steps (measured directly around each call),
+  and the time the engine core spends building each step's `StepRecord` (paid whenever any observer is
+  registered, the tracer off included); neither depends much on machine noise.
 
-With --two-engines it also interleaves steps of an engine without a tracer and one with tracing on (the
-KV manager's timing wrapper included), round-robin, on the same workload.
+With --two-engines it also interleaves steps of an engine without observers (no record is built) and one
+with tracing on, round-robin, on the same workload.
 
 Usage: python scripts/bench_tracing.py [--batch 32] [--prompt-len 64] [--max-tokens 64] [--two-engines]
 """
@@ -31,15 +32,15 @@ from tokenloop.engine import LLMEngine
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import DEFAULT_MODEL, load_checkpoint
 from tokenloop.request import SamplingParams
-from tokenloop.tracing import Tracer
+from tokenloop.observe.tracer import Tracer
 
-HOOKS = ("begin_step", "end_schedule", "end_step", "on_release", "on_arrival")
+HOOKS = ("on_arrival", "on_step", "on_release")
 
 
-def instrument(tracer: Tracer, spent: list[float]) -> None:
-    """Wrap the tracer's hooks on this instance so that time spent inside them adds up in spent[0]."""
-    for name in HOOKS:
-        original: Callable[..., Any] = getattr(tracer, name)
+def instrument(target: object, names: tuple[str, ...], spent: list[float]) -> None:
+    """Wrap methods on this instance so that time spent inside them adds up in spent[0]."""
+    for name in names:
+        original: Callable[..., Any] = getattr(target, name)
 
         @functools.wraps(original)
         def timed(*args: Any, __original: Callable[..., Any] = original, **kwargs: Any) -> Any:
@@ -49,7 +50,18 @@ def instrument(tracer: Tracer, spent: list[float]) -> None:
             finally:
                 spent[0] += time.perf_counter() - begin
 
-        setattr(tracer, name, timed)
+        setattr(target, name, timed)
+
+
+def is_decode_step(outputs: list[Any], batch: int, started: set[str]) -> bool:
+    """Every request of the full batch got one token, and none of them its first (no prefill in the step).
+
+    `started` holds the requests that already had a token; this step's are added to it.
+    """
+    decode = len(outputs) == batch and all(
+        len(o.outputs[0].token_ids_delta) == 1 and o.request_id in started for o in outputs)
+    started.update(o.request_id for o in outputs if o.outputs[0].token_ids_delta)
+    return decode
 
 
 def submit(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int, vocab: int, seed: int) -> None:
@@ -77,24 +89,28 @@ def toggled(args: argparse.Namespace, checkpoint: Any) -> None:
     tracer = Tracer()
     engine = LLMEngine(config, checkpoint=checkpoint, tracer=tracer)
     spent = [0.0]
-    instrument(tracer, spent)
+    instrument(tracer, HOOKS, spent)
+    building = [0.0]
+    instrument(engine.core, ("_record",), building)
     vocab = checkpoint.config.vocab_size
     off: list[float] = []
     on: list[float] = []
     hook_s: list[float] = []
+    record_s: list[float] = []
+    started: set[str] = set()
     for round_ in range(args.rounds):
         submit(engine, args.batch, args.prompt_len, args.max_tokens, vocab, seed=round_)
         flip = round_ % 2 == 0
         while engine.has_unfinished_requests():
             flip = not flip
             tracer.enabled = flip
-            spent[0] = 0.0
+            spent[0] = building[0] = 0.0
             begin = time.perf_counter()
-            engine.step()
+            outputs = engine.step()
             elapsed = time.perf_counter() - begin
-            step = engine.last_step
-            if step.num_scheduled == args.batch and step.num_batched_tokens == args.batch:
+            if is_decode_step(outputs, args.batch, started):
                 (on if flip else off).append(elapsed)
+                record_s.append(building[0])
                 if flip:
                     hook_s.append(spent[0])
     print(f"\n[1] one engine, tracing toggled every step (batch {args.batch} decode steps only)")
@@ -103,20 +119,26 @@ def toggled(args: argparse.Namespace, checkpoint: Any) -> None:
     print(f"  difference: median {100 * (b['median_ms'] / a['median_ms'] - 1):+.2f} %, "
           f"trimmed mean {100 * (b['trimmed_mean_ms'] / a['trimmed_mean_ms'] - 1):+.2f} %")
     hooks_ms = [1e3 * s for s in hook_s]
-    print(f"  inside the tracer's hooks per traced step: median {statistics.median(hooks_ms):.3f} ms, "
+    print(f"  inside the tracer's handlers per traced step: median {statistics.median(hooks_ms):.3f} ms, "
           f"max {max(hooks_ms):.3f} ms = {100 * statistics.median(hooks_ms) / a['median_ms']:.3f} % of the "
+          "median untraced step")
+    build_ms = [1e3 * s for s in record_s]
+    print(f"  building the StepRecord per step (tracer on or off): "
+          f"median {statistics.median(build_ms):.3f} ms, "
+          f"max {max(build_ms):.3f} ms = {100 * statistics.median(build_ms) / a['median_ms']:.3f} % of the "
           "median untraced step")
     print(f"  recorded: {len(tracer.iterations)} iterations, {len(tracer.request_ids())} request traces")
 
 
 def two_engines(args: argparse.Namespace, checkpoint: Any) -> None:
-    """An engine without a tracer and one with tracing on, stepped round-robin on the same workload."""
+    """An engine without observers and one with tracing on, stepped round-robin on the same workload."""
     config = build_engine_config(args.model, max_num_seqs=args.batch, max_num_batched_tokens=max(512, args.batch),
                                  num_blocks=args.batch * (-(-(args.prompt_len + args.max_tokens) // 16) + 1) + 8)
     engines = {"no tracer": LLMEngine(config, checkpoint=checkpoint),
                "tracing on": LLMEngine(config, checkpoint=checkpoint, tracer=Tracer())}
     vocab = checkpoint.config.vocab_size
     times: dict[str, list[float]] = {name: [] for name in engines}
+    started: dict[str, set[str]] = {name: set() for name in engines}
     for round_ in range(args.rounds):
         for engine in engines.values():
             submit(engine, args.batch, args.prompt_len, args.max_tokens, vocab, seed=round_)
@@ -127,10 +149,9 @@ def two_engines(args: argparse.Namespace, checkpoint: Any) -> None:
                 if not engine.has_unfinished_requests():
                     continue
                 begin = time.perf_counter()
-                engine.step()
+                outputs = engine.step()
                 elapsed = time.perf_counter() - begin
-                step = engine.last_step
-                if step.num_scheduled == args.batch and step.num_batched_tokens == args.batch:
+                if is_decode_step(outputs, args.batch, started[name]):
                     times[name].append(elapsed)
     print(f"\n[2] two engines round-robin (batch {args.batch} decode steps only)")
     a = summarize("no tracer", times["no tracer"])

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 from tests.serving.conftest import metric_value
 from tokenloop.core.scheduler import SchedulerStats
-from tokenloop.engine import RequestMetrics, StepStats
+from tokenloop.engine import RequestMetrics
 from tokenloop.metrics import EngineMetrics
+from tokenloop.observe.records import StepGauges, StepRecord
 
 
 def _stats(queries: int, hits: int, preemptions: int, running: int = 2) -> SchedulerStats:
     return SchedulerStats(num_running=running, num_waiting=1, num_preempted_waiting=1, num_preemptions=preemptions,
                           kv_usage=0.25, num_free_blocks=3, prefix_cache_queries=queries, prefix_cache_hits=hits,
                           evictions=0)
+
+
+def _step(num_batched_tokens: int, sampled: int, gauges: StepGauges | None = None) -> StepRecord:
+    gauges = gauges or StepGauges(num_running=sampled, num_waiting=0, num_preempted_waiting=0, num_blocks=8,
+                                  block_size=4, num_free_blocks=8, num_cached_free_blocks=0,
+                                  prefix_cache_queries=0, prefix_cache_hits=0, evictions=0, num_preemptions=0)
+    return StepRecord(1, 0, 1, 2, 3, 4, 0, 0, 0, num_batched_tokens, [], [], [f"r{i}" for i in range(sampled)],
+                      list(range(sampled)), [], gauges)
 
 
 def test_each_instance_has_its_own_registry() -> None:
@@ -43,7 +52,7 @@ def test_finished_request_latencies() -> None:
                              num_prompt_tokens=10, num_generation_tokens=101, num_cached_tokens=0, num_preemptions=0)
     m.observe_finished("stop", metrics)
     m.observe_aborted()
-    m.observe_step(StepStats(num_batched_tokens=42), [])
+    m.on_step(_step(num_batched_tokens=42, sampled=3))
     m.observe_first_output(10)
     text = m.render().decode()
     assert metric_value(text, "tokenloop:request_success_total", finished_reason="stop") == 1
@@ -53,4 +62,5 @@ def test_finished_request_latencies() -> None:
     assert metric_value(text, "tokenloop:time_to_first_token_seconds_bucket", le="0.1") == 1
     assert metric_value(text, "tokenloop:request_queue_time_seconds_count") == 1
     assert metric_value(text, "tokenloop:iteration_tokens_sum") == 42
+    assert metric_value(text, "tokenloop:generation_tokens_total") == 3
     assert metric_value(text, "tokenloop:prompt_tokens_total") == 10

@@ -81,7 +81,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 def load_engine(args: argparse.Namespace):  # noqa: ANN202 - LLMEngine, imported lazily (torch is slow to import)
     from tokenloop.engine import LLMEngine
     from tokenloop.llm import build_engine_config
-    from tokenloop.tracing import Tracer
+    from tokenloop.observe.tracer import Tracer
 
     config = build_engine_config(args.model, **_engine_options(args))
     begin = time.perf_counter()

@@ -57,7 +57,7 @@ def run_trace(args: argparse.Namespace) -> int:
     from tokenloop.engine import LLMEngine
     from tokenloop.llm import build_engine_config
     from tokenloop.request import SamplingParams
-    from tokenloop.tracing import Tracer
+    from tokenloop.observe.tracer import Tracer
 
     options = {key: value for key, value in (
         ("block_size", args.block_size), ("num_blocks", args.num_kv_blocks), ("max_num_seqs", args.max_num_seqs),

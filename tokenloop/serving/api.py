@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenloop import __version__
 from tokenloop.engine import LLMEngine, RequestOutput
 from tokenloop.errors import EngineStoppedError, InvalidRequestError, RequestFailedError, TokenloopError
-from tokenloop.metrics import CONTENT_TYPE, EngineMetrics
+from tokenloop.observe.metrics import CONTENT_TYPE, EngineMetrics
 from tokenloop.request import SamplingParams
 from tokenloop.sampler import TokenLogprobs
 from tokenloop.serving.async_engine import AsyncEngine, RequestSpec, RequestStream
@@ -556,7 +556,9 @@ def create_app(
     limits = limits or ServerLimits()
     model_name = served_model_name or engine.config.model
     if async_engine is None:
-        async_engine = AsyncEngine(engine, EngineMetrics(model_name), max_stream_backlog=limits.max_stream_backlog)
+        metrics = EngineMetrics(model_name)
+        engine.add_observer(metrics)  # gauges and step counters come from the engine's records
+        async_engine = AsyncEngine(engine, metrics, max_stream_backlog=limits.max_stream_backlog)
     metrics = async_engine.metrics
     serving = OpenAIServing(async_engine, model_name, model_aliases=[engine.config.model], limits=limits)
 

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from tokenloop.engine import CompletionOutput, LLMEngine, RequestOutput
 from tokenloop.errors import EngineStoppedError, RequestFailedError
-from tokenloop.metrics import EngineMetrics
+from tokenloop.observe.metrics import EngineMetrics
 from tokenloop.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -332,8 +332,6 @@ class AsyncEngine:
                     with self._wakeup:  # whatever came after the stop is refused by the drain below
                         self._commands[:0] = commands[stop_at + 1:]
                     break
-                if commands:
-                    self._refresh_stats()
                 busy = engine.has_unfinished_requests()
                 if busy:
                     self._step()
@@ -367,7 +365,6 @@ class AsyncEngine:
                     command.done.set_exception(exc)
         elif isinstance(command, _Stop):
             self._abort(list(self._live), notify=True)
-            self._refresh_stats()
             return True
         return False
 
@@ -419,7 +416,6 @@ class AsyncEngine:
                 self._counts.step_failures += 1
             # The text names no request's data: it reaches every client in flight.
             self._fail_all(RequestFailedError("the engine step failed; see the server log"))
-            self._refresh_stats()
             return
         deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         metrics = self.metrics
@@ -438,9 +434,6 @@ class AsyncEngine:
                 if metrics is not None:
                     metrics.observe_finished(reason, output.metrics)
             deliveries.append((live.stream, output))
-        if metrics is not None:
-            metrics.observe_step(None, outputs)
-        self._refresh_stats()
         self._deliver(deliveries)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -459,10 +452,6 @@ class AsyncEngine:
                 self.metrics.observe_finished("error", None)
             deliveries.append((live.stream, error))
         self._deliver(deliveries)
-
-    def _refresh_stats(self) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_stats(self.engine.stats())
 
     def _count_finished(self, reason: str) -> None:
         with self._counts_lock:

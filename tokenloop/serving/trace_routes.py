@@ -24,7 +24,7 @@ from typing import Any, Callable, Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from tokenloop.tracing import Tracer
+from tokenloop.observe.tracer import Tracer
 
 TraceFormat = Literal["chrome", "mechanism"]
 
