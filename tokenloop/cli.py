@@ -101,6 +101,25 @@ def _load_engine(args: argparse.Namespace):  # noqa: ANN202 - LLMEngine, importe
 
 # ---- serve ----------------------------------------------------------------------------------------
 
+def _start_core_process(args: argparse.Namespace, name: str, limits: Any):  # noqa: ANN202 - AsyncEngine
+    """The engine core in its own process; this one keeps only the tokenizer (and the tracer's records)."""
+    from tokenloop.llm import build_engine_config
+    from tokenloop.metrics import EngineMetrics
+    from tokenloop.serving.async_engine import AsyncEngine
+    from tokenloop.tracing import Tracer
+
+    config = build_engine_config(args.model, **_engine_options(args))
+    tracer = None if args.no_trace else Tracer(sample_rate=args.trace_sample_rate)
+    begin = time.perf_counter()
+    async_engine = AsyncEngine.with_core_process(config, EngineMetrics(name), tracer=tracer,
+                                                 max_stream_backlog=limits.max_stream_backlog)
+    info = async_engine.client.info
+    logger.info("engine core (pid %d) ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens, policy=%s; %s",
+                info.pid, time.perf_counter() - begin, info.max_model_len, info.num_blocks, info.block_size,
+                config.scheduler.policy, info.dtype)
+    return async_engine
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tokenloop.serving.api import create_app
     from tokenloop.serving.server import serve_forever
@@ -111,9 +130,13 @@ def _serve(args: argparse.Namespace) -> int:
     limits = _server_limits(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
-    engine = _load_engine(args)
-    app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=api_key,
-                     shutdown_timeout_s=args.shutdown_timeout, limits=limits)
+    name = args.served_model_name or args.model
+    if args.engine_core == "process":
+        engine, async_engine = None, _start_core_process(args, name, limits)
+    else:
+        engine, async_engine = _load_engine(args), None
+    app = create_app(engine, served_model_name=name, api_key=api_key, shutdown_timeout_s=args.shutdown_timeout,
+                     limits=limits, async_engine=async_engine)
     logger.info("serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port)
     serve_forever(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
     logger.info("shut down cleanly")
@@ -209,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--max-waiting", type=int, help="most queued requests; beyond it: 429 with Retry-After")
     net.add_argument("--shutdown-timeout", type=float, default=5.0,
                      help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    net.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                     help="run the engine core in its own process (default) or on a thread of the server's")
     _add_limit_args(serve)
     tracing = serve.add_argument_group("tracing")
     tracing.add_argument("--trace-sample-rate", type=float, default=0.1,

@@ -105,7 +105,7 @@ class CoreLoop:
         elif isinstance(message, UtilityCall):
             self._results.append(self._call(message))
         elif isinstance(message, Shutdown):
-            self._finals.extend(core.finish_requests(list(core._requests), "abort"))  # noqa: SLF001
+            self._finals.extend(core.finish_requests(list(core._requests), "abort"))
             self.stopped = True
         else:
             raise TypeError(f"not an engine-core message: {type(message).__name__}")

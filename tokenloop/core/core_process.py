@@ -63,7 +63,7 @@ def run_core_process(config: EngineConfig, checkpoint: Checkpoint | None, input_
     sys.exit(status)
 
 
-def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Socket):  # noqa: ANN202 - CoreLoop
+def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Socket):
     """Build the core and announce it; on failure announce why and return None."""
     try:
         from tokenloop.core.core_loop import CoreLoop, RecordBuffer
@@ -71,7 +71,7 @@ def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Soc
 
         buffer = RecordBuffer()
         core = EngineCore(config, checkpoint, observers=[buffer])
-    except Exception as exc:  # noqa: BLE001 - reported to the front end, which raises it at startup
+    except Exception as exc:
         logger.exception("building the engine core failed")
         error = wire.error_to_wire(exc)
         error.message = f"{error.message}\n{traceback.format_exc(limit=5)}"
@@ -83,7 +83,7 @@ def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Soc
     return CoreLoop(core, buffer)
 
 
-def _serve(loop, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:  # noqa: ANN001 - CoreLoop
+def _serve(loop, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     while not loop.stopped:
@@ -106,7 +106,7 @@ def _serve(loop, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> No
             return
         try:
             frame_out = loop.turn()
-        except Exception as exc:  # noqa: BLE001 - a step bug: say so before dying, so the front end can
+        except Exception as exc:
             logger.exception("the engine core's step failed")
             outputs.send(wire.encode(CoreReady(os.getpid(), 0, 0, 0, 0, "", wire.error_to_wire(exc))))
             raise

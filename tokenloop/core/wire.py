@@ -35,7 +35,13 @@ from tokenloop.core.messages import (
     UtilityCall,
 )
 from tokenloop.core.scheduler import SchedulerStats
-from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, ScheduledChunk, StepGauges, StepRecord
+from tokenloop.observe.records import (
+    ArrivalRecord,
+    ReleaseInfo,
+    ScheduledChunk,
+    StepGauges,
+    StepRecord,
+)
 from tokenloop.request import SamplingParams
 from tokenloop.sampler import TokenLogprobs
 from tokenloop.structured.spec import StructuredOutputsParams
