@@ -110,6 +110,9 @@ def _start_core_process(args: argparse.Namespace, name: str, limits: Any):  # no
 
     config = build_engine_config(args.model, **_engine_options(args))
     tracer = None if args.no_trace else Tracer(sample_rate=args.trace_sample_rate)
+    if tracer is not None and not hasattr(tracer, "on_step"):  # records reach only observers of them
+        logger.warning("this tracer does not observe StepRecords yet: serving without a trace")
+        tracer = None
     begin = time.perf_counter()
     async_engine = AsyncEngine.with_core_process(config, EngineMetrics(name), tracer=tracer,
                                                  max_stream_backlog=limits.max_stream_backlog)
