@@ -19,7 +19,11 @@ import httpx
 import pytest
 
 from tests.serving.conftest import make_engine, wait_for_health
-from tokenloop.errors import EngineStoppedError, InvalidRequestError, ModelLoadError, RequestFailedError
+from tokenloop.errors import (
+    EngineStoppedError,
+    InvalidRequestError,
+    ModelLoadError,
+)
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
 from tokenloop.request import SamplingParams
@@ -141,7 +145,7 @@ _ORPHAN = textwrap.dedent("""
 def test_the_core_exits_when_its_parent_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
     script = tmp_path / "orphan.py"
     script.write_text(_ORPHAN)
-    result = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], capture_output=True, text=True, check=True,
                             timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     pid = int(result.stdout.split()[0])
     deadline = time.monotonic() + 5

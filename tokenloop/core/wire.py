@@ -84,12 +84,16 @@ class DataclassCodec:
             return values  # msgpack packs a tuple as an array
         values = list(values)
         for index, encode in self._encoders:
-            values[index] = encode(values[index])
+            value = values[index]
+            if value is not None:  # None travels as it is (inlined: the hot fields are mostly None)
+                values[index] = encode(value)
         return values
 
     def decode(self, values: list[Any]) -> Any:
         for index, decode in self._decoders:
-            values[index] = decode(values[index])
+            value = values[index]
+            if value is not None:
+                values[index] = decode(value)
         return self.cls(*values)
 
 
@@ -101,7 +105,7 @@ def _converters(hint: Any, codecs: dict[type, DataclassCodec]) -> tuple[Convert 
         return _encode_any, None  # the ext hook decodes it
     if dataclasses.is_dataclass(hint):
         codec = codecs.get(hint) or DataclassCodec(hint, codecs)  # type: ignore[arg-type]
-        return (lambda v: codec.encode(v)), (lambda v: codec.decode(v))
+        return codec.encode, codec.decode
     if origin in (typing.Union, types.UnionType):
         options = [a for a in args if a is not type(None)]
         converters = [_converters(a, codecs) for a in options]
@@ -109,11 +113,11 @@ def _converters(hint: Any, codecs: dict[type, DataclassCodec]) -> tuple[Convert 
             return None, None
         if len(options) != 1:
             raise TypeError(f"wire: a union of several converted types is ambiguous: {hint}")
-        encode, decode = converters[0]
-        return _skip_none(encode), _skip_none(decode)
+        return converters[0]  # None is never converted (see DataclassCodec)
     if origin is list:
         encode, decode = _converters(args[0], codecs) if args else (None, None)
-        return _each(encode), _each(decode)
+        optional = bool(args) and type(None) in typing.get_args(args[0])
+        return _each(encode, optional), _each(decode, optional)
     if origin is tuple:
         inner = [_converters(a, codecs) for a in args if a is not Ellipsis]
         if any(e is not None or d is not None for e, d in inner):
@@ -126,15 +130,11 @@ def _converters(hint: Any, codecs: dict[type, DataclassCodec]) -> tuple[Convert 
     raise TypeError(f"wire: no encoding for {hint!r}")
 
 
-def _skip_none(convert: Convert | None) -> Convert | None:
+def _each(convert: Convert | None, optional: bool) -> Convert | None:
     if convert is None:
         return None
-    return lambda v: None if v is None else convert(v)
-
-
-def _each(convert: Convert | None) -> Convert | None:
-    if convert is None:
-        return None
+    if optional:
+        return lambda v: [None if x is None else convert(x) for x in v]
     return lambda v: [convert(x) for x in v]
 
 
