@@ -77,7 +77,8 @@ def main() -> None:
         inp.close()
     context.term()
     one_way.sort()
-    print(f"batch {args.batch}: frame {size} bytes; encode {encode_s * 1e6:.0f} us, decode {decode_s * 1e6:.0f} us (best)")
+    print(f"batch {args.batch}: frame {size} bytes; encode {encode_s * 1e6:.0f} us, "
+          f"decode {decode_s * 1e6:.0f} us (best)")
     print(f"one way (encode + send + recv + decode): median {statistics.median(one_way) * 1e6:.0f} us, "
           f"p99 {one_way[int(len(one_way) * 0.99)] * 1e6:.0f} us over {len(one_way)} round trips")
 

@@ -117,7 +117,8 @@ def _start_core_process(args: argparse.Namespace, name: str, limits: Any):  # no
     async_engine = AsyncEngine.with_core_process(config, EngineMetrics(name), tracer=tracer,
                                                  max_stream_backlog=limits.max_stream_backlog)
     info = async_engine.client.info
-    logger.info("engine core (pid %d) ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens, policy=%s; %s",
+    logger.info("engine core (pid %d) ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens, "
+                "policy=%s; %s",
                 info.pid, time.perf_counter() - begin, info.max_model_len, info.num_blocks, info.block_size,
                 config.scheduler.policy, info.dtype)
     return async_engine

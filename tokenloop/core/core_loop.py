@@ -35,7 +35,8 @@ def _kv_facts(core: EngineCore) -> dict[str, Any]:
     kv = core.kv_cache
     kv.check_invariants([])
     stats = core.stats()
-    return {"unfinished": core.num_unfinished_requests, "kv_usage": kv.usage, "free_blocks": kv.num_free_blocks,
+    return {"unfinished": core.num_unfinished_requests, "kv_usage": kv.usage,
+            "free_blocks": kv.num_free_blocks,
             "num_blocks": kv.num_blocks, "preemptions": stats.num_preemptions,
             "prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 3), "steps": core.num_steps}
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from tokenloop.core import wire
-from tokenloop.core.messages import CoreError, CoreReady
+from tokenloop.core.messages import CoreReady
 
 if TYPE_CHECKING:
     from tokenloop.config import EngineConfig
@@ -112,7 +112,3 @@ def _serve(loop, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> No
             raise
         if frame_out is not None:
             outputs.send(wire.encode(frame_out), copy=False)
-
-
-def error_text(error: CoreError) -> str:
-    return f"{error.kind}: {error.message}"

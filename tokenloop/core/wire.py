@@ -196,7 +196,8 @@ def decode_batch(frame: bytes) -> list[Any]:
 
 def error_to_wire(exc: BaseException) -> CoreError:
     """An exception raised in the core as data (its class name, text and the fields the server maps)."""
-    return CoreError(type(exc).__name__, str(exc), getattr(exc, "param", None), getattr(exc, "retry_after_s", None))
+    return CoreError(type(exc).__name__, str(exc), getattr(exc, "param", None),
+                     getattr(exc, "retry_after_s", None))
 
 
 def error_from_wire(error: CoreError) -> Exception:

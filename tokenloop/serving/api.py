@@ -561,10 +561,12 @@ def create_app(
         if engine is None:
             raise ValueError("create_app needs an engine or an async_engine")
         model_name = served_model_name or engine.config.model
-        async_engine = AsyncEngine(engine, EngineMetrics(model_name), max_stream_backlog=limits.max_stream_backlog)
+        async_engine = AsyncEngine(engine, EngineMetrics(model_name),
+                                   max_stream_backlog=limits.max_stream_backlog)
     model_name = served_model_name or async_engine.config.model
     metrics = async_engine.metrics
-    serving = OpenAIServing(async_engine, model_name, model_aliases=[async_engine.config.model], limits=limits)
+    serving = OpenAIServing(async_engine, model_name, model_aliases=[async_engine.config.model],
+                            limits=limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

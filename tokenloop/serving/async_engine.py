@@ -110,7 +110,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine | None, metrics: EngineMetrics | None = None, *,
                  name: str = "tokenloop-engine", max_stream_backlog: int | None = None,
                  client: CoreClient | None = None, config: EngineConfig | None = None,
-                 tokenizer: Any = None, tracer: Observes | None = None, observers: Sequence[Observes] = ()) -> None:
+                 tokenizer: Any = None, tracer: Observes | None = None,
+                 observers: Sequence[Observes] = ()) -> None:
         self.engine = engine  # None when the core runs in its own process
         self.metrics = metrics
         if engine is not None:  # the in-process core: its observers (the tracer) see its records directly
@@ -120,13 +121,15 @@ class AsyncEngine:
             self.observers = ObserverSet(list(observers))
         else:
             if client is None or config is None or tokenizer is None:
-                raise ValueError("AsyncEngine needs an engine, or a core client with its config and tokenizer")
+                raise ValueError("AsyncEngine needs an engine, or a core client with its config and "
+                                 "tokenizer")
             self.client, self.config, self.tokenizer, self.tracer = client, config, tokenizer, tracer
             self.outputs = OutputProcessor(tokenizer)
             # Records made in the core process are dispatched here, to observers living in this one.
             self.observers = ObserverSet([*observers, *([tracer] if tracer is not None else [])])
         info = self.client.info
-        self.max_model_len, self.vocab_size, self.block_size = info.max_model_len, info.vocab_size, info.block_size
+        self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
+        self.block_size = info.block_size
         self.clock = default_clock
         self._name = name
         self._max_stream_backlog = max_stream_backlog
@@ -158,7 +161,8 @@ class AsyncEngine:
         the tokenizer and config (or uses `checkpoint`'s, which the core then gets pickled)."""
         from tokenloop.model.loader import load_model_info
 
-        tokenizer = checkpoint.tokenizer if checkpoint is not None else load_model_info(config.model).tokenizer
+        tokenizer = (checkpoint.tokenizer if checkpoint is not None
+                     else load_model_info(config.model).tokenizer)
         client = CoreProcessClient(config, checkpoint, startup_timeout_s=startup_timeout_s)
         if tracer is not None and hasattr(tracer, "bind"):
             tracer.bind(tokenizer, client.info.block_size, default_clock)

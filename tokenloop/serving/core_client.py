@@ -147,7 +147,8 @@ class CoreProcessClient:
             if self._outputs in ready:
                 message = wire.decode(self._outputs.recv())
                 if not isinstance(message, CoreReady):
-                    raise EngineStoppedError(f"the engine core sent {type(message).__name__} before it was ready")
+                    raise EngineStoppedError(
+                        f"the engine core sent {type(message).__name__} before it was ready")
                 if message.error is not None:
                     raise ModelLoadError(f"the engine core failed to start: {message.error.kind}: "
                                          f"{message.error.message}")
