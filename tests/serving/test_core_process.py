@@ -164,6 +164,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
 def _core_pid(server_pid: int) -> int:
     """The engine core: the server's spawned child (not multiprocessing's resource tracker)."""
     for entry in os.listdir("/proc"):
@@ -195,6 +200,10 @@ def test_killing_the_core_fails_streams_at_once_and_the_server_exits_non_zero(ti
         waiter = threading.Thread(target=lambda: plain.update(
             response=httpx.post(url + "/v1/completions", json=body, timeout=30)))
         waiter.start()
+        deadline = time.monotonic() + 10
+        while _metric(url, "tokenloop:num_requests_running") < 1:  # in flight before the core dies
+            assert time.monotonic() < deadline, "the plain request never started"
+            time.sleep(0.02)
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
