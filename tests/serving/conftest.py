@@ -45,7 +45,7 @@ class LiveServer:
         """Until the engine holds no request and no block reference (or fail)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            busy, usage = self.on_engine(lambda e: (e.has_unfinished_requests(), e.kv_cache.usage))
+            busy, usage = self.async_engine.utility_blocking("idle")
             if not busy and usage == 0.0:
                 return
             if time.monotonic() > deadline:

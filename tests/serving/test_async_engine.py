@@ -59,7 +59,7 @@ def test_add_errors_reach_the_caller(async_engine: AsyncEngine) -> None:
         with pytest.raises(InvalidRequestError):
             await async_engine.add_requests([RequestSpec("ok", "hello", GREEDY), RequestSpec("bad", [10**9], GREEDY)])
         # All or none: the good half of a rejected submission is not left running.
-        assert not await async_engine.call(lambda e: e.has_unfinished_requests())
+        assert not await async_engine.utility("has_unfinished_requests")
 
     asyncio.run(main())
 
@@ -86,13 +86,13 @@ def test_abort_releases_blocks_within_a_step(async_engine: AsyncEngine) -> None:
         drop = await async_engine.add_requests([RequestSpec("drop", "the cat sat on the mat", LONG)])
         await keep.__anext__()
         await drop.__anext__()
-        steps_at_abort = await async_engine.call(lambda e: e.num_steps)
+        steps_at_abort = await async_engine.utility("num_steps")
         drop.abort()
         holds, steps = await async_engine.call(lambda e: (e.kv_cache.holds_blocks("drop"), e.num_steps))
         assert not holds
         assert steps - steps_at_abort <= 1  # applied before the next step
         keep.abort()
-        usage = await async_engine.call(lambda e: (e.has_unfinished_requests(), e.kv_cache.usage))
+        usage = await async_engine.utility("idle")
         assert usage == (False, 0.0)
         assert async_engine.counts().finished.get("abort") == 2
 
@@ -104,7 +104,7 @@ def test_leaving_generate_early_aborts(async_engine: AsyncEngine) -> None:
         async with contextlib.aclosing(async_engine.generate("r", "hello", LONG)) as outputs:
             async for _ in outputs:
                 break
-        assert not await async_engine.call(lambda e: e.has_unfinished_requests())
+        assert not await async_engine.utility("has_unfinished_requests")
 
     asyncio.run(main())
 

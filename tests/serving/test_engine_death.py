@@ -28,14 +28,14 @@ _DRIVER = textwrap.dedent("""
 
     model, port = sys.argv[1], int(sys.argv[2])
     engine = LLMEngine(build_engine_config(model, block_size=4, num_blocks=256))
-    real_step = engine.step
+    real_step = engine.core.step
 
     def step():
         if engine.num_steps >= 3:
             raise SystemExit("injected: the engine thread dies")
         return real_step()
 
-    engine.step = step
+    engine.core.step = step
     serve_forever(create_app(engine, served_model_name="tiny"), "127.0.0.1", port, log_level="warning")
 """)
 

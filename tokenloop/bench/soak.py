@@ -365,17 +365,10 @@ def _check_in_process(server: Any, config: SoakConfig, report: SoakReport) -> No
     async_engine = server.app.state.async_engine
     deadline = time.monotonic() + config.idle_timeout_s
 
-    def facts(engine: Any) -> dict[str, Any]:
-        engine.kv_cache.check_invariants([])  # raises if refcounts and the free queue disagree
-        stats = engine.stats()
-        return {"unfinished": engine.num_unfinished_requests, "kv_usage": engine.kv_cache.usage,
-                "free_blocks": engine.kv_cache.num_free_blocks, "num_blocks": engine.kv_cache.num_blocks,
-                "preemptions": stats.num_preemptions, "prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 3),
-                "steps": engine.num_steps}
-
     while True:
         try:
-            current = async_engine.call_blocking(facts)
+            # Raises if refcounts and the free queue disagree (in the core, wherever it runs).
+            current = async_engine.utility_blocking("kv_facts")
         except Exception as exc:  # noqa: BLE001 - an invariant failure is a finding, not a crash
             report.violations.append(f"KV cache invariants broken: {exc}")
             return

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from typing import Any
 
-from tokenloop.cli.options import LOG_LEVELS, add_engine_args, load_engine, parse_size
+from tokenloop.cli.options import LOG_LEVELS, add_engine_args, _engine_options, load_engine, parse_size
 
 logger = logging.getLogger("tokenloop")
 
@@ -31,6 +32,8 @@ def add_serve_subparser(commands: Any) -> argparse.ArgumentParser:
     net.add_argument("--max-waiting", type=int, help="most queued requests; beyond it: 429 with Retry-After")
     net.add_argument("--shutdown-timeout", type=float, default=5.0,
                      help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    net.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                     help="run the engine core in its own process (default) or on a thread of the server's")
     _add_limit_args(serve)
     tracing = serve.add_argument_group("tracing")
     tracing.add_argument("--trace-sample-rate", type=float, default=0.1,
@@ -38,6 +41,25 @@ def add_serve_subparser(commands: Any) -> argparse.ArgumentParser:
     tracing.add_argument("--no-trace", action="store_true", help="record no trace at all (the dashboard stays empty)")
     serve.set_defaults(func=_serve)
     return serve
+
+
+def _start_core_process(args: argparse.Namespace, name: str, limits: Any):  # noqa: ANN202 - AsyncEngine
+    """The engine core in its own process; this one keeps only the tokenizer (and the records' observers)."""
+    from tokenloop.llm import build_engine_config
+    from tokenloop.observe.metrics import EngineMetrics
+    from tokenloop.observe.tracer import Tracer
+    from tokenloop.serving.async_engine import AsyncEngine
+
+    config = build_engine_config(args.model, **_engine_options(args))
+    tracer = None if args.no_trace else Tracer(sample_rate=args.trace_sample_rate)
+    begin = time.perf_counter()
+    async_engine = AsyncEngine.with_core_process(config, EngineMetrics(name), tracer=tracer,
+                                                 max_stream_backlog=limits.max_stream_backlog)
+    info = async_engine.client.info
+    logger.info("engine core (pid %d) ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens, "
+                "policy=%s; %s", info.pid, time.perf_counter() - begin, info.max_model_len, info.num_blocks,
+                info.block_size, config.scheduler.policy, info.dtype)
+    return async_engine
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -49,9 +71,13 @@ def _serve(args: argparse.Namespace) -> int:
     limits = _server_limits(args)
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
-    engine = load_engine(args)
-    app = create_app(engine, served_model_name=args.served_model_name or args.model, api_key=api_key,
-                     shutdown_timeout_s=args.shutdown_timeout, limits=limits)
+    name = args.served_model_name or args.model
+    if args.engine_core == "process":
+        engine, async_engine = None, _start_core_process(args, name, limits)
+    else:
+        engine, async_engine = load_engine(args), None
+    app = create_app(engine, served_model_name=name, api_key=api_key, shutdown_timeout_s=args.shutdown_timeout,
+                     limits=limits, async_engine=async_engine)
     logger.info("serving %s on http://%s:%d", args.served_model_name or args.model, args.host, args.port)
     serve_forever(app, args.host, args.port, shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
     logger.info("shut down cleanly")

@@ -8,8 +8,10 @@ into msgpack and back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenloop.core.kv_events import KVEventBatch
+from tokenloop.core.scheduler import SchedulerStats
 from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepRecord
 from tokenloop.request import SamplingParams
 from tokenloop.sampler import TokenLogprobs
@@ -61,3 +63,82 @@ class CoreOutputs:
     arrivals: list[ArrivalRecord] = field(default_factory=list)  # for observers in the front end
     releases: list[ReleaseInfo] = field(default_factory=list)  # ended outside a step (aborts)
     kv_events: KVEventBatch | None = None  # what the step did to the prefix index (when enabled)
+
+
+# ---- the engine-core protocol: what the front end sends, and what the core answers -----------------------
+
+@dataclass(slots=True)
+class AddRequests:
+    """Queue requests all or none; answered by the `CallResult` with the same `call_id`."""
+
+    call_id: int
+    requests: list[CoreRequest]
+
+
+@dataclass(slots=True)
+class FinishRequests:
+    """End requests now (abort, a stop string found by the front end, an error it hit); never answered:
+    their final outputs come in the next frame."""
+
+    request_ids: list[str]
+    finish_reason: str = "abort"
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class UtilityCall:
+    """Run one of the core's named utilities between steps (`tokenloop.core.core_loop.UTILITIES`)."""
+
+    call_id: int
+    name: str
+    args: list[Any] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Abort everything and exit."""
+
+
+@dataclass(slots=True)
+class CoreError:
+    """An exception raised in the core, as data: the front end raises the same class again."""
+
+    kind: str  # the exception class name (InvalidRequestError, CapacityError, ...)
+    message: str
+    param: str | None = None
+    retry_after_s: float | None = None
+
+
+@dataclass(slots=True)
+class CallResult:
+    """The answer to an `AddRequests` (value None) or a `UtilityCall`."""
+
+    call_id: int
+    value: Any = None
+    error: CoreError | None = None
+
+
+@dataclass(slots=True)
+class CoreReady:
+    """The core is built and listening: the facts the front end needs before it serves anyone."""
+
+    pid: int
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    dtype: str  # DtypeChoice.describe()
+    error: CoreError | None = None  # set instead when building the core failed
+
+
+@dataclass(slots=True)
+class CoreFrame:
+    """What one turn of the core's loop produced: at most one step's outputs (with the observer records
+    since the last frame), the answers to the calls it applied, and the queue state after it."""
+
+    outputs: CoreOutputs | None
+    results: list[CallResult] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+
+
+InputMessage = AddRequests | FinishRequests | UtilityCall | Shutdown

@@ -97,6 +97,32 @@ def load_checkpoint(model: str = DEFAULT_MODEL, keep_quantized: bool = False) ->
     return Checkpoint(name=model, path=path, config=config, weights=weights, tokenizer=tokenizer)
 
 
+@dataclass
+class ModelInfo:
+    """A model's config and tokenizer without its weights: what a front end needs."""
+
+    name: str
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+
+def load_model_info(model: str = DEFAULT_MODEL) -> ModelInfo:
+    """Config and tokenizer only (a GGUF's metadata, a directory's JSON files): no tensor is read, so a
+    front end beside an engine process holds no second copy of the weights."""
+    from tokenloop.tokenizer import Tokenizer
+
+    path = resolve_model_path(model)
+    if path.is_dir():
+        config, tokenizer = _hf_config(path), Tokenizer.from_pretrained_dir(path)
+    elif path.suffix == ".gguf" or _looks_like_gguf(path):
+        gguf = GGUFFile(path)
+        config, tokenizer = _gguf_config(gguf), Tokenizer.from_gguf(gguf.metadata, source=str(path))
+    else:
+        raise ModelLoadError(f"{path}: not a .gguf file or a checkpoint directory")
+    return ModelInfo(name=model, path=path, config=config, tokenizer=tokenizer)
+
+
 def _looks_like_gguf(path: Path) -> bool:
     with open(path, "rb") as handle:
         return handle.read(4) == b"GGUF"

@@ -159,12 +159,11 @@ class OpenAIServing:
         self.async_engine = async_engine
         self.model_name = model_name
         self.model_aliases = {model_name, *model_aliases}
-        engine = async_engine.engine
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
+        self.tokenizer = async_engine.tokenizer
+        self.max_model_len = async_engine.max_model_len
         self.limits = limits or ServerLimits()
-        self.edge = EdgeContext(self.limits, engine.checkpoint.config.vocab_size, engine.max_model_len,
-                                engine.config.scheduler.max_waiting)
+        self.edge = EdgeContext(self.limits, async_engine.vocab_size, async_engine.max_model_len,
+                                async_engine.config.scheduler.max_waiting)
         self.created = now_s()
         self._token_strs: dict[int, str] = {}  # bounded by the vocabulary
         # Tokenizing and chat templating are CPU work: never on the event loop, never on the engine thread.
@@ -221,8 +220,11 @@ class OpenAIServing:
 
     async def _submit(self, specs: list[RequestSpec]) -> RequestStream:
         spec = specs[0].params.structured_outputs if specs else None
-        if spec is not None:  # compiled (or found in the cache) off the event loop; a bad one is a 400 here
-            await asyncio.to_thread(self.async_engine.engine.structured.compile, spec)
+        engine = self.async_engine.engine
+        if spec is not None and engine is not None:
+            # Compiled (or found in the cache) off the event loop; a bad one is a 400 here. With the core
+            # in its own process it compiles there, and a bad one comes back as the submission's error.
+            await asyncio.to_thread(engine.structured.compile, spec)
         return await self.async_engine.add_requests(specs)
 
     async def _collect(self, stream: RequestStream, submission: _Submission, raw: Request) -> bool:
@@ -538,7 +540,7 @@ def _json(model: BaseModel, status: int = 200) -> Response:
 
 
 def create_app(
-    engine: LLMEngine,
+    engine: LLMEngine | None,
     *,
     served_model_name: str | None = None,
     api_key: str | None = None,
@@ -546,7 +548,8 @@ def create_app(
     async_engine: AsyncEngine | None = None,
     limits: ServerLimits | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving `engine` (which it runs on its own thread from startup to shutdown).
+    """A FastAPI app serving `engine` (which it runs on its own thread from startup to shutdown), or
+    `async_engine` (say, `AsyncEngine.with_core_process`: the core in its own process; `engine` is None).
 
     `served_model_name` is what clients put in `model` (default: the engine's model name or path).
     With `api_key`, every route that accepts work or reveals request data wants
@@ -554,13 +557,16 @@ def create_app(
     for `shutdown_timeout_s`, then aborts the rest.
     """
     limits = limits or ServerLimits()
-    model_name = served_model_name or engine.config.model
     if async_engine is None:
-        metrics = EngineMetrics(model_name)
-        engine.add_observer(metrics)  # gauges and step counters come from the engine's records
-        async_engine = AsyncEngine(engine, metrics, max_stream_backlog=limits.max_stream_backlog)
+        if engine is None:
+            raise ValueError("create_app needs an engine or an async_engine")
+        model_name = served_model_name or engine.config.model
+        async_engine = AsyncEngine(engine, EngineMetrics(model_name),
+                                   max_stream_backlog=limits.max_stream_backlog)
+    model_name = served_model_name or async_engine.config.model
     metrics = async_engine.metrics
-    serving = OpenAIServing(async_engine, model_name, model_aliases=[engine.config.model], limits=limits)
+    serving = OpenAIServing(async_engine, model_name, model_aliases=[async_engine.config.model],
+                            limits=limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -638,7 +644,7 @@ def create_app(
 
     app.include_router(v1)
     # /v1/trace* and /v1/dashboard/state are behind the key (EdgeGuard); the /dashboard page asks for it.
-    app.include_router(make_trace_router(lambda: engine.tracer))
+    app.include_router(make_trace_router(lambda: async_engine.tracer))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:

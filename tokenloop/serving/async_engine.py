@@ -1,12 +1,14 @@
-"""AsyncEngine: the serving loop on its own thread, with one async stream of outputs per request.
+"""AsyncEngine: the front end's loop on its own thread, with one async stream of outputs per request.
 
-The `LLMEngine` is not thread-safe, so exactly one thread (the engine thread) ever touches it. The event
-loop talks to that thread through a command list guarded by a condition variable: submissions, aborts
-and arbitrary calls are applied between steps, in the order they were sent. Outputs travel back with
-`loop.call_soon_threadsafe` into an `asyncio.Queue` per stream, one callback per step and loop. When
-there is no work and no command, the thread sleeps on the condition instead of spinning.
+The engine thread owns the front end's update stage (`OutputProcessor`: detokenizing, stop strings) and a
+client of the engine core: the core in its own process over ZMQ (the server's default), or in this
+process (tests, tools), where a turn of the thread's loop runs one core step. The event loop talks to the
+thread through a command list and a wakeup pipe; the thread sleeps in one poll on that pipe, the core's
+output socket and the core process's sentinel, so a submission wakes it at once and a dead core is seen
+the moment it exits.
 
-    async_engine = AsyncEngine(engine, metrics)
+    async_engine = AsyncEngine(engine, metrics)                       # in-process core
+    async_engine = AsyncEngine.with_core_process(config, metrics)     # the core in its own process
     stream = await async_engine.add_requests([RequestSpec("r1", "Hello", SamplingParams(max_tokens=8))])
     async for output in stream:  # RequestOutput deltas; the last one has finished=True
         ...
@@ -20,108 +22,38 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from tokenloop.engine import CompletionOutput, LLMEngine, RequestOutput
-from tokenloop.errors import EngineStoppedError, RequestFailedError
+from tokenloop.errors import EngineStoppedError
 from tokenloop.observe.metrics import EngineMetrics
-from tokenloop.request import SamplingParams
+from tokenloop.observe.records import ObserverSet, Observes
+from tokenloop.outputs import OutputProcessor, RequestOutput
+from tokenloop.request import SamplingParams, default_clock
+from tokenloop.serving.core_client import (
+    CoreClient,
+    CoreProcessClient,
+    InProcessCoreClient,
+)
+from tokenloop.serving.streams import EngineCounts, RequestSpec, RequestStream
+
+if TYPE_CHECKING:
+    from tokenloop.config import EngineConfig
+    from tokenloop.engine import LLMEngine
+    from tokenloop.model.loader import Checkpoint
+
+__all__ = ["AsyncEngine", "EngineCounts", "RequestSpec", "RequestStream"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# How long the engine thread sleeps when requests exist but none could be scheduled (avoids a busy loop).
-_NOTHING_SCHEDULED_WAIT_S = 0.005
 _GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-@dataclass
-class RequestSpec:
-    """One request to submit: what `LLMEngine.add_request` takes."""
-
-    request_id: str
-    prompt: str | Sequence[int] | None
-    params: SamplingParams
-    prompt_token_ids: Sequence[int] | None = None
-    priority: int = 0
-    user: str | None = None
-    cache_salt: str | None = None
-
-
-@dataclass
-class EngineCounts:
-    """Lifetime request counts kept by the engine thread (for health checks and the soak test)."""
-
-    accepted: int = 0
-    rejected: int = 0
-    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
-    step_failures: int = 0
-
-    @property
-    def num_finished(self) -> int:
-        return sum(self.finished.values())
-
-
-class RequestStream:
-    """The async stream of `RequestOutput`s of one submission (one or more engine requests).
-
-    Iteration ends after every request of the submission delivered its finished output. A request that
-    failed without an output (its step raised) raises `RequestFailedError` from the iterator.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str], loop: asyncio.AbstractEventLoop,
-                 max_backlog: int | None = None) -> None:
-        self.request_ids = list(request_ids)
-        self.loop = loop
-        self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._unfinished = set(request_ids)
-        self._max_backlog = max_backlog
-        self._overflowed = False
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        """Queue an output (on the stream's loop, via call_soon_threadsafe); a reader that fell too far
-        behind has its requests aborted instead of having their outputs buffered without bound."""
-        if self._overflowed:
-            return
-        if self._max_backlog is not None and self._queue.qsize() >= self._max_backlog:
-            self._overflowed = True
-            self._engine.abort([rid for rid in self.request_ids if rid in self._unfinished])
-            while not self._queue.empty():
-                self._queue.get_nowait()
-            item = RequestFailedError(f"the client stopped reading: more than {self._max_backlog} outputs "
-                                      "were waiting for it, so its request was aborted")
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._unfinished.clear()
-            raise item
-        if item.finished:
-            self._unfinished.discard(item.request_id)
-        return item
-
-    def abort(self) -> None:
-        """Cancel whatever of this submission is still running (idempotent, returns at once)."""
-        if self._unfinished:
-            self._engine.abort(list(self._unfinished))
-            self._unfinished.clear()
 
 
 # ---- commands from the event loop to the engine thread ------------------------------------------------
@@ -145,8 +77,18 @@ class _Call:
 
 
 @dataclass
+class _Utility:
+    name: str
+    args: list[Any]
+    done: concurrent.futures.Future[Any]
+
+
+@dataclass
 class _Stop:
     pass
+
+
+_Command = _Submit | _Abort | _Call | _Utility | _Stop
 
 
 @dataclass
@@ -158,27 +100,77 @@ class _Live:
     first_output_seen: bool = False
 
 
-class AsyncEngine:
-    """Runs an `LLMEngine` on a dedicated thread; coroutines submit, stream and abort requests."""
+class _CoreDied(Exception):
+    pass
 
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, *, name: str = "tokenloop-engine",
-                 max_stream_backlog: int | None = None) -> None:
-        self.engine = engine
+
+class AsyncEngine:
+    """Runs the front end's loop on a dedicated thread; coroutines submit, stream and abort requests."""
+
+    def __init__(self, engine: LLMEngine | None, metrics: EngineMetrics | None = None, *,
+                 name: str = "tokenloop-engine", max_stream_backlog: int | None = None,
+                 client: CoreClient | None = None, config: EngineConfig | None = None,
+                 tokenizer: Any = None, tracer: Observes | None = None,
+                 observers: Sequence[Observes] = ()) -> None:
+        self.engine = engine  # None when the core runs in its own process
         self.metrics = metrics
+        if engine is not None:  # the in-process core: its observers (the tracer) see its records directly
+            self.client: CoreClient = InProcessCoreClient(engine.core)
+            self.outputs = engine.outputs
+            self.config, self.tokenizer, self.tracer = engine.config, engine.tokenizer, engine.tracer
+            self.observers = ObserverSet()  # nothing travels in frames here: the core tells its observers
+            for observer in [*observers, *([metrics] if metrics is not None else [])]:
+                if observer not in engine.core.observers.observers:
+                    engine.add_observer(observer)
+        else:
+            if client is None or config is None or tokenizer is None:
+                raise ValueError("AsyncEngine needs an engine, or a core client with its config and "
+                                 "tokenizer")
+            self.client, self.config, self.tokenizer, self.tracer = client, config, tokenizer, tracer
+            self.outputs = OutputProcessor(tokenizer)
+            # Records made in the core process are dispatched here, to observers living in this one.
+            self.observers = ObserverSet([*observers, *(o for o in (metrics, tracer) if o is not None)])
+        info = self.client.info
+        self.max_model_len, self.vocab_size = info.max_model_len, info.vocab_size
+        self.block_size = info.block_size
+        self.clock = default_clock
         self._name = name
         self._max_stream_backlog = max_stream_backlog
-        self.crashed = False  # the engine thread died of a bug: the process should exit non-zero
-        self._wakeup = threading.Condition()
-        self._commands: list[_Submit | _Abort | _Call | _Stop] = []  # guarded by _wakeup
-        self._closed = False  # guarded by _wakeup: set once the engine thread has exited
+        self.crashed = False  # the engine thread or the core died: the process should exit non-zero
+        self.death: str | None = None  # why, when the core died
+        self._lock = threading.Lock()
+        self._commands: list[_Command] = []  # guarded by _lock
+        self._closed = False  # guarded by _lock: set once the engine thread has exited
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._accepting = True
         self._stopped = threading.Event()
         self._live: dict[str, _Live] = {}  # owned by the engine thread; others only read its length
+        self._waiting: dict[int, _Submit | _Utility] = {}  # calls sent to the core, by call id
+        self._next_call_id = 0
         self._counts = EngineCounts()
         self._counts_lock = threading.Lock()
         self.num_wakeups = 0  # engine-thread loop iterations: stays put while idle (no spinning)
+
+    @classmethod
+    def with_core_process(cls, config: EngineConfig, metrics: EngineMetrics | None = None, *,
+                          checkpoint: Checkpoint | None = None, tracer: Observes | None = None,
+                          observers: Sequence[Observes] = (), startup_timeout_s: float = 300.0,
+                          **options: Any) -> AsyncEngine:
+        """Start the engine core in its own process (returns once it is ready); this process loads only
+        the tokenizer and config (or uses `checkpoint`'s, which the core then gets pickled)."""
+        from tokenloop.model.loader import load_model_info
+
+        tokenizer = (checkpoint.tokenizer if checkpoint is not None
+                     else load_model_info(config.model).tokenizer)
+        client = CoreProcessClient(config, checkpoint, startup_timeout_s=startup_timeout_s)
+        if tracer is not None and hasattr(tracer, "bind"):
+            tracer.bind(tokenizer, client.info.block_size, default_clock)
+        return cls(None, metrics, client=client, config=config, tokenizer=tokenizer, tracer=tracer,
+                   observers=observers, **options)
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -222,6 +214,7 @@ class AsyncEngine:
         Idempotent: the server starts it when shutdown begins, the app's lifespan calls it again at the end.
         """
         if self._stopped.is_set():
+            self.client.close()
             return
         self._accepting = False
         deadline = time.monotonic() + timeout_s
@@ -234,6 +227,7 @@ class AsyncEngine:
         if thread is not None:
             await asyncio.to_thread(thread.join, max(1.0, deadline - time.monotonic() + 1.0))
         self._stopped.set()
+        await asyncio.to_thread(self.client.close)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Synchronous `shutdown` without the grace period: abort everything, join the thread."""
@@ -242,14 +236,15 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._stopped.set()
+        self.client.close(timeout_s)
 
     # ---- the event loop's side ---------------------------------------------------------------------
 
     async def add_requests(self, specs: Sequence[RequestSpec]) -> RequestStream:
         """Submit requests as one unit (all accepted or none); returns their stream.
 
-        Raises what `LLMEngine.add_request` raises (InvalidRequestError, CapacityError, ...) in the caller,
-        or EngineStoppedError once shutdown began.
+        Raises what the core raises (InvalidRequestError, CapacityError, ...) in the caller, or
+        EngineStoppedError once shutdown began.
         """
         if not self.accepting:
             raise EngineStoppedError("the server is shutting down")
@@ -289,9 +284,11 @@ class AsyncEngine:
             self._send(_Abort(ids))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run `fn(engine)` on the engine thread between steps and return its result."""
+        """Run `fn(engine)` on the engine thread between steps (in-process core only; across the process
+        boundary use `utility`)."""
+        self._needs_engine()
         if self._stopped.is_set():
-            return fn(self.engine)  # no thread left to race with
+            return fn(self.engine)  # type: ignore[arg-type] - no thread left to race with
         self.start()
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._send(_Call(fn, done))
@@ -299,206 +296,68 @@ class AsyncEngine:
 
     def call_blocking(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
         """`call` for synchronous code on another thread (tests, tools); never from the event loop."""
+        self._needs_engine()
         if self._stopped.is_set():
-            return fn(self.engine)
+            return fn(self.engine)  # type: ignore[arg-type]
         self.start()
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._send(_Call(fn, done))
         return done.result(timeout_s)
 
-    def _send(self, command: _Submit | _Abort | _Call | _Stop) -> None:
-        with self._wakeup:
+    async def utility(self, name: str, *args: Any) -> Any:
+        """Run one of the core's named utilities (`tokenloop.core.core_loop.UTILITIES`) between steps."""
+        self.start()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._send(_Utility(name, list(args), done))
+        return await asyncio.wrap_future(done)
+
+    def utility_blocking(self, name: str, *args: Any, timeout_s: float = 30.0) -> Any:
+        """`utility` for synchronous code on another thread; never from the event loop."""
+        self.start()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._send(_Utility(name, list(args), done))
+        return done.result(timeout_s)
+
+    def _needs_engine(self) -> None:
+        if self.engine is None:
+            raise TypeError("call(fn) needs the in-process engine; the core runs in its own process: "
+                            "use utility(name, ...)")
+
+    def _send(self, command: _Command) -> None:
+        with self._lock:
             if self._closed:  # the engine thread is gone: nobody would ever answer
-                if isinstance(command, (_Submit, _Call)) and command.done.set_running_or_notify_cancel():
-                    command.done.set_exception(EngineStoppedError("the engine has stopped"))
+                _refuse(command)
                 return
             self._commands.append(command)
-            self._wakeup.notify()
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wakeups already
 
     # ---- the engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
-        busy = False
-        try:
-            while True:
-                with self._wakeup:
-                    while not self._commands and not busy:
-                        self._wakeup.wait()
-                    commands, self._commands = self._commands, []
-                self.num_wakeups += 1
-                stop_at = next((i for i, command in enumerate(commands) if self._apply(command)), None)
-                if stop_at is not None:
-                    with self._wakeup:  # whatever came after the stop is refused by the drain below
-                        self._commands[:0] = commands[stop_at + 1:]
-                    break
-                busy = engine.has_unfinished_requests()
-                if busy:
-                    self._step()
-                    busy = engine.has_unfinished_requests()
-                    if busy and engine.last_num_scheduled == 0:
-                        with self._wakeup:  # nothing fit this step: wait a little for a change
-                            if not self._commands:
-                                self._wakeup.wait(_NOTHING_SCHEDULED_WAIT_S)
-        except BaseException:  # a bug in this loop itself: fail everyone rather than hang them
-            logger.critical("the engine thread crashed; failing %d in-flight request(s)", len(self._live),
-                            exc_info=True)
-            self._accepting = False
-            self.crashed = True
-            self._fail_all(RequestFailedError("the engine stopped unexpectedly; the server is restarting"))
-            raise
-        finally:
-            self._stopped.set()
-            self._drain_after_stop()
+        from tokenloop.serving.front_loop import FrontLoop
 
-    def _apply(self, command: _Submit | _Abort | _Call | _Stop) -> bool:
-        """Apply one command; True means stop the loop."""
-        if isinstance(command, _Submit):
-            self._submit(command)
-        elif isinstance(command, _Abort):
-            self._abort(command.request_ids, notify=False)
-        elif isinstance(command, _Call):
-            if command.done.set_running_or_notify_cancel():
-                try:
-                    command.done.set_result(command.fn(self.engine))
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    command.done.set_exception(exc)
-        elif isinstance(command, _Stop):
-            self._abort(list(self._live), notify=True)
-            return True
-        return False
-
-    def _submit(self, command: _Submit) -> None:
-        if not command.done.set_running_or_notify_cancel():
-            return  # the submitter went away before we got to it
-        added: list[str] = []
-        try:
-            for spec in command.specs:
-                self.engine.add_request(spec.request_id, spec.prompt, spec.params,
-                                        prompt_token_ids=spec.prompt_token_ids, priority=spec.priority,
-                                        user=spec.user, cache_salt=spec.cache_salt)
-                added.append(spec.request_id)
-        except BaseException as exc:  # noqa: BLE001 - handed to the submitter
-            if added:
-                self.engine.abort_request(added)  # all or none
-            with self._counts_lock:
-                self._counts.rejected += 1
-            command.done.set_exception(exc)
-            return
-        for spec in command.specs:
-            self._live[spec.request_id] = _Live(spec, command.stream)
-        with self._counts_lock:
-            self._counts.accepted += len(command.specs)
-        command.done.set_result(None)
-
-    def _abort(self, request_ids: list[str], *, notify: bool) -> None:
-        """Abort live requests; with `notify`, their streams get a final 'abort' output."""
-        ids = [rid for rid in request_ids if rid in self._live]
-        if not ids:
-            return
-        self.engine.abort_request(ids)
-        deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
-        for rid in ids:
-            live = self._live.pop(rid)
-            self._count_finished("abort")
-            if self.metrics is not None:
-                self.metrics.observe_aborted()
-            if notify:
-                deliveries.append((live.stream, _aborted_output(live.spec)))
-        self._deliver(deliveries)
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception:  # noqa: BLE001 - not one request's fault (those fail alone inside the step)
-            logger.exception("engine step failed; failing the %d in-flight request(s)", len(self._live))
-            with self._counts_lock:
-                self._counts.step_failures += 1
-            # The text names no request's data: it reaches every client in flight.
-            self._fail_all(RequestFailedError("the engine step failed; see the server log"))
-            return
-        deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
-        metrics = self.metrics
-        for output in outputs:
-            live = self._live.get(output.request_id)
-            if live is None:
-                continue  # aborted meanwhile: nobody listens
-            if not live.first_output_seen and any(c.token_ids_delta for c in output.outputs):
-                live.first_output_seen = True
-                if metrics is not None:
-                    metrics.observe_first_output(len(output.prompt_token_ids))
-            if output.finished:
-                del self._live[output.request_id]
-                reason = _request_finish_reason(output)
-                self._count_finished(reason)
-                if metrics is not None:
-                    metrics.observe_finished(reason, output.metrics)
-            deliveries.append((live.stream, output))
-        self._deliver(deliveries)
-
-    def _fail_all(self, error: BaseException) -> None:
-        ids = list(self._live)
-        if not ids:
-            return
-        try:
-            self.engine.abort_request(ids)
-        except Exception:  # noqa: BLE001 - the engine is already broken; the streams must still end
-            logger.exception("aborting failed requests raised")
-        deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
-        for rid in ids:
-            live = self._live.pop(rid)
-            self._count_finished("error")
-            if self.metrics is not None:
-                self.metrics.observe_finished("error", None)
-            deliveries.append((live.stream, error))
-        self._deliver(deliveries)
+        FrontLoop(self).run()
 
     def _count_finished(self, reason: str) -> None:
         with self._counts_lock:
             self._counts.finished[reason] = self._counts.finished.get(reason, 0) + 1
 
-    def _deliver(self, deliveries: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
-        """Hand outputs to their loops: one callback per loop per step, not one per token."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | BaseException]]] = {}
-        for stream, item in deliveries:
-            by_loop.setdefault(stream.loop, []).append((stream, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_dispatch, items)
-            except RuntimeError:  # that loop is closed: its requests have no reader left
-                ids = [rid for stream, _ in items for rid in stream.request_ids if rid in self._live]
-                if ids:
-                    self.engine.abort_request(ids)
-                    for rid in ids:
-                        self._live.pop(rid, None)
-                        self._count_finished("abort")
-
     def _drain_after_stop(self) -> None:
         """Refuse commands that arrived after the stop, so no submitter waits forever."""
-        with self._wakeup:
+        with self._lock:
             commands, self._commands = self._commands, []
             self._closed = True
         for command in commands:
-            if isinstance(command, (_Submit, _Call)) and command.done.set_running_or_notify_cancel():
-                command.done.set_exception(EngineStoppedError("the engine has stopped"))
+            _refuse(command)
+        for waiting in self._waiting.values():
+            _refuse(waiting)
+        self._waiting.clear()
 
 
-def _dispatch(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
-    for stream, item in items:
-        stream._put(item)  # noqa: SLF001 - the stream's own loop-side entry point
-
-
-def _request_finish_reason(output: RequestOutput) -> str:
-    reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
-    if "error" in reasons:
-        return "error"
-    return reasons[0] if reasons else "abort"
-
-
-def _aborted_output(spec: RequestSpec) -> RequestOutput:
-    """The final output of a request the server aborted: no new tokens, finish_reason 'abort'."""
-    outputs = [CompletionOutput(index=i, text="", token_ids=[], text_delta="", token_ids_delta=[], logprobs=None,
-                                logprobs_delta=None, cumulative_logprob=None, finish_reason="abort")
-               for i in range(spec.params.n)]
-    prompt = spec.prompt if isinstance(spec.prompt, str) else None
-    return RequestOutput(spec.request_id, prompt, list(spec.prompt_token_ids or []), None, outputs, finished=True)
+def _refuse(command: Any) -> None:
+    done = getattr(command, "done", None)
+    if done is not None and done.set_running_or_notify_cancel():
+        done.set_exception(EngineStoppedError("the engine has stopped"))

@@ -48,7 +48,8 @@ class _Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         async_engine = getattr(self._app.state, "async_engine", None)
         if async_engine is not None and async_engine.crashed and not self.engine_died:
-            logger.critical("the engine thread died: shutting down so that a supervisor can restart the server")
+            why = getattr(async_engine, "death", None) or "the engine thread died"
+            logger.critical("%s: shutting down so that a supervisor can restart the server", why)
             self.engine_died = True
             self.should_exit = True
         return await super().on_tick(counter)
@@ -117,7 +118,8 @@ def serve_forever(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, sh
                   log_level: str = "info") -> None:
     """Serve until SIGINT/SIGTERM, then shut down gracefully and return (the caller exits 0).
 
-    If the engine thread dies, in-flight requests are failed and this exits with status 3.
+    If the engine thread or the engine core process dies, in-flight requests are failed and this exits
+    with status 3.
     """
     for sig in (signal.SIGINT, signal.SIGTERM):
         # uvicorn restores these after its own handling and re-raises the signal into them.

@@ -1,0 +1,152 @@
+"""One turn of the engine core's loop as messages: apply what came in, step, answer with one frame.
+
+`CoreLoop` is what both core clients drive: the engine process (`core_process`) around sockets, and the
+in-process client directly, so the two modes share every rule (all-or-none adds, finals of finished
+requests in the next frame, answers in the order the calls came).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenloop.core.engine_core import EngineCore
+from tokenloop.core.messages import (
+    AddRequests,
+    CallResult,
+    CoreFrame,
+    CoreOutput,
+    CoreOutputs,
+    FinishRequests,
+    InputMessage,
+    Shutdown,
+    UtilityCall,
+)
+from tokenloop.core.wire import error_to_wire
+from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepRecord
+
+logger = logging.getLogger(__name__)
+
+
+def _kv_facts(core: EngineCore) -> dict[str, Any]:
+    """The pool's state for soak tests and health checks; raises if its invariants are broken."""
+    kv = core.kv_cache
+    kv.check_invariants([])
+    stats = core.stats()
+    return {"unfinished": core.num_unfinished_requests, "kv_usage": kv.usage,
+            "free_blocks": kv.num_free_blocks,
+            "num_blocks": kv.num_blocks, "preemptions": stats.num_preemptions,
+            "prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 3), "steps": core.num_steps}
+
+
+# The calls a front end may make across the process boundary: name -> fn(core, *args). Results are plain
+# values or wire dataclasses.
+UTILITIES: dict[str, Callable[..., Any]] = {
+    "has_unfinished_requests": lambda core: core.has_unfinished_requests(),
+    "num_unfinished_requests": lambda core: core.num_unfinished_requests,
+    "num_steps": lambda core: core.num_steps,
+    "stats": lambda core: core.stats(),
+    "kv_usage": lambda core: core.kv_cache.usage,
+    "holds_blocks": lambda core, request_id: core.kv_cache.holds_blocks(request_id),
+    "idle": lambda core: (core.has_unfinished_requests(), core.kv_cache.usage),
+    "kv_facts": _kv_facts,
+    "ping": lambda core: True,
+}
+
+
+@dataclass
+class RecordBuffer:
+    """An observer that keeps the core's records until the next frame carries them to the front end."""
+
+    arrivals: list[ArrivalRecord] = field(default_factory=list)
+    releases: list[ReleaseInfo] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def on_arrival(self, record: ArrivalRecord) -> None:
+        self.arrivals.append(record)
+
+    def on_step(self, record: StepRecord) -> None:
+        self.steps.append(record)
+
+    def on_release(self, records: list[ReleaseInfo]) -> None:
+        self.releases.extend(records)
+
+
+class CoreLoop:
+    """Applies input messages to an `EngineCore` and turns each step into one `CoreFrame`.
+
+    With a `buffer` (registered as one of the core's observers) frames carry the records; without one the
+    core's own observers got them already (the in-process mode).
+    """
+
+    def __init__(self, core: EngineCore, buffer: RecordBuffer | None = None) -> None:
+        self.core = core
+        self.buffer = buffer
+        self.stopped = False
+        self.last_num_scheduled = 0
+        self._finals: list[CoreOutput] = []  # of requests finished by a message, for the next frame
+        self._results: list[CallResult] = []
+        self._dirty = False  # something changed since the last frame: send one even without a step
+
+    def apply(self, message: InputMessage) -> None:
+        """Apply one message; a failure becomes the caller's answer, never the loop's."""
+        self._dirty = True
+        core = self.core
+        if isinstance(message, AddRequests):
+            try:
+                core.add_requests(message.requests)
+                self._results.append(CallResult(message.call_id))
+            except Exception as exc:  # noqa: BLE001 - the submitter raises it again
+                self._results.append(CallResult(message.call_id, None, error_to_wire(exc)))
+        elif isinstance(message, FinishRequests):
+            self._finals.extend(core.finish_requests(message.request_ids, message.finish_reason,
+                                                     message.stop_reason))
+        elif isinstance(message, UtilityCall):
+            self._results.append(self._call(message))
+        elif isinstance(message, Shutdown):
+            self._finals.extend(core.finish_requests(list(core._requests), "abort"))
+            self.stopped = True
+        else:
+            raise TypeError(f"not an engine-core message: {type(message).__name__}")
+
+    def _call(self, call: UtilityCall) -> CallResult:
+        fn = UTILITIES.get(call.name)
+        try:
+            if fn is None:
+                raise KeyError(f"the engine core has no utility {call.name!r}")
+            return CallResult(call.call_id, fn(self.core, *call.args))
+        except Exception as exc:  # noqa: BLE001 - the caller raises it again
+            return CallResult(call.call_id, None, error_to_wire(exc))
+
+    @property
+    def has_pending(self) -> bool:
+        """Answers or finals wait for the next frame."""
+        return self._dirty or bool(self._results) or bool(self._finals)
+
+    @property
+    def has_work(self) -> bool:
+        return self.core.has_unfinished_requests() and not self.stopped
+
+    def turn(self) -> CoreFrame | None:
+        """Step if there is work; the frame to send, or None when nothing happened at all."""
+        core = self.core
+        outputs: CoreOutputs | None = None
+        if self.has_work:
+            outputs = core.step()
+            self.last_num_scheduled = outputs.num_scheduled
+            if self._finals:
+                outputs.outputs[:0] = self._finals
+        elif self._finals or self._dirty:
+            outputs = CoreOutputs(self._finals, core.clock(), 0)
+        if outputs is None and not self._results:
+            return None
+        buffer = self.buffer
+        if buffer is not None and outputs is not None:
+            # step() put its own record on its outputs; the rest came between steps.
+            outputs.arrivals, outputs.releases = buffer.arrivals, buffer.releases
+            buffer.arrivals, buffer.releases, buffer.steps = [], [], []
+        frame = CoreFrame(outputs, self._results, core.stats())
+        self._finals, self._results, self._dirty = [], [], False
+        return frame

@@ -1,0 +1,114 @@
+"""The engine core's own process: a `CoreLoop` between two ZMQ sockets.
+
+The front end binds a PUSH socket (its messages in) and a PULL socket (frames out) on ipc:// paths in a
+private temp dir and starts `run_core_process` with the spawn start method (a forked child would inherit
+the server's threads and locks mid-state). The core builds its EngineCore, sends `CoreReady`, then:
+
+    receive every pending message (without blocking while busy; polling while idle) -> apply them in order
+    -> step when there is work -> send one `CoreFrame` (outputs, records, answers)
+
+It exits on `Shutdown`, or on its own when the parent process is gone (its parent pid changes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+from typing import TYPE_CHECKING
+
+import zmq
+
+from tokenloop.core import wire
+from tokenloop.core.messages import CoreReady
+
+if TYPE_CHECKING:
+    from tokenloop.config import EngineConfig
+    from tokenloop.model.loader import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+# Poll timeouts: idle, the core wakes this often only to see whether its parent is still there; with
+# requests that could not be scheduled (the pool is full) it waits a little for a change, not spinning.
+_IDLE_POLL_MS = 500
+_NOTHING_SCHEDULED_POLL_MS = 5
+_SEND_LINGER_MS = 2000  # the last frame (the shutdown's finals) still reaches the front end
+
+
+def run_core_process(config: EngineConfig, checkpoint: Checkpoint | None, input_address: str,
+                     output_address: str, parent_pid: int, log_level: int = logging.INFO) -> None:
+    """The engine process's main (the spawn target). Exit status 0 after a shutdown, 1 if building failed."""
+    # Ctrl-C reaches the whole process group; the front end decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
+    inputs.connect(input_address)
+    outputs.connect(output_address)
+    status = 0
+    try:
+        loop = _build(config, checkpoint, outputs)
+        if loop is None:
+            status = 1
+        else:
+            _serve(loop, inputs, outputs, parent_pid)
+    finally:
+        inputs.close(linger=0)
+        outputs.close()
+        context.term()
+    sys.exit(status)
+
+
+def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Socket):
+    """Build the core and announce it; on failure announce why and return None."""
+    try:
+        from tokenloop.core.core_loop import CoreLoop, RecordBuffer
+        from tokenloop.core.engine_core import EngineCore
+
+        buffer = RecordBuffer()
+        core = EngineCore(config, checkpoint, observers=[buffer])
+    except Exception as exc:
+        logger.exception("building the engine core failed")
+        error = wire.error_to_wire(exc)
+        error.message = f"{error.message}\n{traceback.format_exc(limit=5)}"
+        outputs.send(wire.encode(CoreReady(os.getpid(), 0, 0, 0, 0, "", error)))
+        return None
+    kv = core.kv_cache
+    outputs.send(wire.encode(CoreReady(os.getpid(), core.max_model_len, core.vocab_size, kv.num_blocks,
+                                       kv.block_size, core.dtype_choice.describe())))
+    return CoreLoop(core, buffer)
+
+
+def _serve(loop, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+    poller = zmq.Poller()
+    poller.register(inputs, zmq.POLLIN)
+    while not loop.stopped:
+        if not loop.has_work:
+            timeout = _IDLE_POLL_MS
+        elif loop.last_num_scheduled == 0:
+            timeout = _NOTHING_SCHEDULED_POLL_MS
+        else:
+            timeout = 0  # busy: look at the socket between steps, never wait on it
+        if poller.poll(timeout):
+            while True:
+                try:
+                    frame = inputs.recv(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                for message in wire.decode_batch(frame):
+                    loop.apply(message)
+        if os.getppid() != parent_pid:  # reparented: the front end is gone, nobody will read our outputs
+            logger.warning("the front end (pid %d) is gone; the engine core exits", parent_pid)
+            return
+        try:
+            frame_out = loop.turn()
+        except Exception as exc:
+            logger.exception("the engine core's step failed")
+            outputs.send(wire.encode(CoreReady(os.getpid(), 0, 0, 0, 0, "", wire.error_to_wire(exc))))
+            raise
+        if frame_out is not None:
+            outputs.send(wire.encode(frame_out), copy=False)

@@ -1,0 +1,210 @@
+"""The front end's clients of the engine core: in this process, or in its own process over ZMQ.
+
+Both speak the same messages (`tokenloop.core.messages`) and give back `CoreFrame`s, so one front-end
+loop (`AsyncEngine`'s engine thread) drives either:
+
+    client.send([AddRequests(...), FinishRequests(...)])   # applied in order, between two steps
+    poller waits on client.pollables() (and the front end's own wakeup) for client.poll_timeout_ms()
+    for frame in client.receive(): ...                      # one frame per core step
+    client.death()                                          # why the core is gone, or None
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import zmq
+
+from tokenloop.core import wire
+from tokenloop.core.core_loop import CoreLoop
+from tokenloop.core.messages import CoreFrame, CoreReady, InputMessage, Shutdown
+from tokenloop.errors import EngineStoppedError, ModelLoadError
+
+if TYPE_CHECKING:
+    from tokenloop.config import EngineConfig
+    from tokenloop.core.engine_core import EngineCore
+    from tokenloop.model.loader import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the front end learns from the core before it serves anyone."""
+
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    dtype: str
+    pid: int
+
+
+class CoreClient(Protocol):
+    info: CoreInfo
+
+    def send(self, messages: list[InputMessage]) -> None: ...
+
+    def receive(self) -> list[CoreFrame]: ...
+
+    def pollables(self) -> list[Any]: ...
+
+    def poll_timeout_ms(self) -> int | None: ...
+
+    def death(self) -> str | None: ...
+
+    def close(self, timeout_s: float = 5.0) -> None: ...
+
+
+class InProcessCoreClient:
+    """The core on the caller's thread: `receive` runs one turn of its loop (one step when there is work)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.loop = CoreLoop(core)  # no record buffer: the core's own observers see every record
+        kv = core.kv_cache
+        self.info = CoreInfo(core.max_model_len, core.vocab_size, kv.num_blocks, kv.block_size,
+                             core.dtype_choice.describe(), os.getpid())
+
+    def send(self, messages: list[InputMessage]) -> None:
+        for message in messages:
+            self.loop.apply(message)
+
+    def receive(self) -> list[CoreFrame]:
+        frame = self.loop.turn()
+        return [frame] if frame is not None else []
+
+    def pollables(self) -> list[Any]:
+        return []
+
+    def poll_timeout_ms(self) -> int | None:
+        loop = self.loop
+        if loop.has_pending:
+            return 0
+        if loop.has_work:
+            return 0 if loop.last_num_scheduled else 5  # nothing fitted: wait a little for a change
+        return None
+
+    def death(self) -> str | None:
+        return None
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if not self.loop.stopped:
+            self.loop.apply(Shutdown())
+            self.loop.turn()
+
+
+class CoreProcessClient:
+    """Starts the engine core in its own process and talks to it over two ipc:// sockets.
+
+    The constructor returns once the core is ready (or raises ModelLoadError with the core's reason, or
+    EngineStoppedError if it died or stayed silent for `startup_timeout_s`).
+    """
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None, *,
+                 startup_timeout_s: float = 300.0, log_level: int | None = None) -> None:
+        from tokenloop.core.core_process import run_core_process
+
+        self._dir = tempfile.mkdtemp(prefix="tokenloop-core-")  # private: mode 0700
+        self._context = zmq.Context()
+        self._inputs = self._context.socket(zmq.PUSH)
+        self._outputs = self._context.socket(zmq.PULL)
+        self._inputs.setsockopt(zmq.LINGER, 0)
+        self._outputs.setsockopt(zmq.LINGER, 0)
+        input_address = f"ipc://{self._dir}/input"
+        output_address = f"ipc://{self._dir}/output"
+        self._inputs.bind(input_address)
+        self._outputs.bind(output_address)
+        level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_core_process, name="tokenloop-engine-core", daemon=True,
+            args=(config, checkpoint, input_address, output_address, os.getpid(), level))
+        self._closed = False
+        try:
+            self.process.start()
+            self.info = self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.close(timeout_s=1.0)
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> CoreInfo:
+        poller = zmq.Poller()
+        poller.register(self._outputs, zmq.POLLIN)
+        poller.register(self.process.sentinel, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise EngineStoppedError(f"the engine core process did not become ready in {timeout_s:.0f} s")
+            ready = dict(poller.poll(left_ms))
+            if self._outputs in ready:
+                message = wire.decode(self._outputs.recv())
+                if not isinstance(message, CoreReady):
+                    raise EngineStoppedError(
+                        f"the engine core sent {type(message).__name__} before it was ready")
+                if message.error is not None:
+                    raise ModelLoadError(f"the engine core failed to start: {message.error.kind}: "
+                                         f"{message.error.message}")
+                return CoreInfo(message.max_model_len, message.vocab_size, message.num_blocks,
+                                message.block_size, message.dtype, message.pid)
+            if self.death() is not None:
+                raise EngineStoppedError(f"{self.death()} while starting")
+
+    def send(self, messages: list[InputMessage]) -> None:
+        if messages:
+            self._inputs.send(wire.encode_batch(messages), copy=False)
+
+    def receive(self) -> list[CoreFrame]:
+        """Every frame that has arrived, without waiting."""
+        frames = []
+        while True:
+            try:
+                data = self._outputs.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return frames
+            message = wire.decode(data)
+            if isinstance(message, CoreReady) and message.error is not None:  # the core's last words
+                logger.critical("the engine core failed: %s: %s", message.error.kind, message.error.message)
+                continue
+            frames.append(message)
+
+    def pollables(self) -> list[Any]:
+        # The sentinel becomes readable the moment the process exits: death is seen at once, not polled.
+        return [self._outputs, self.process.sentinel]
+
+    def poll_timeout_ms(self) -> int | None:
+        return None  # the core steps on its own; its frames and its death both wake the poller
+
+    def death(self) -> str | None:
+        code = self.process.exitcode
+        if code is None:
+            return None
+        return f"the engine core process died (exit code {code})"
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Ask the core to shut down, wait for it (then kill it), and remove the sockets (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        process = self.process
+        if process.pid is not None and process.exitcode is None:
+            try:
+                self._inputs.send(wire.encode_batch([Shutdown()]), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            process.join(timeout_s)
+            if process.exitcode is None:
+                logger.warning("the engine core did not exit in %.1f s; killing it", timeout_s)
+                process.kill()
+                process.join(timeout_s)
+        self._inputs.close(linger=0)
+        self._outputs.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
