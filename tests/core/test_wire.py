@@ -100,7 +100,16 @@ def test_a_step_frame_is_compact() -> None:
     gauges = StepGauges(1, 2, 0, 64, 4, 60, 0, 10, 5, 0, 0)
     chunk = ScheduledChunk("req-1", 10, 1, 8, True, [], 0, 0, False, 3)
     record = StepRecord(1, 0, 1, 2, 3, 4, 0, 1, 0, 1, [chunk], [], ["req-1"], [5], [], gauges)
-    frame = CoreFrame(CoreOutputs([CoreOutput("req-1", [5])], 3, 1, record), [], None)
+    frame = CoreFrame(CoreOutputs([CoreOutput("req-1", [5])], 3, 1, record), [])
     data = wire.encode(frame)
     assert b"request_id" not in data and b"new_token_ids" not in data
     assert wire.decode(data) == frame
+
+
+def test_kv_event_batches_keep_each_event_kind() -> None:
+    from tokenloop.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+
+    batch = KVEventBatch(3, 5, [BlockStored([1, 2], None, [1, 2, 3, 4], 2), BlockRemoved([9]), AllBlocksCleared(),
+                                BlockStored([3], 2, [5, 6], 2)])
+    out = CoreOutputs([], 1, 0, kv_events=batch)
+    assert wire.decode(wire.encode(out)) == out

@@ -147,6 +147,6 @@ class CoreLoop:
             # step() put its own record on its outputs; the rest came between steps.
             outputs.arrivals, outputs.releases = buffer.arrivals, buffer.releases
             buffer.arrivals, buffer.releases, buffer.steps = [], [], []
-        frame = CoreFrame(outputs, self._results, core.stats())
+        frame = CoreFrame(outputs, self._results)
         self._finals, self._results, self._dirty = [], [], False
         return frame

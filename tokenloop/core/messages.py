@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloop.core.kv_events import KVEventBatch
-from tokenloop.core.scheduler import SchedulerStats
 from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepRecord
 from tokenloop.request import SamplingParams
 from tokenloop.sampler import TokenLogprobs
@@ -134,11 +133,10 @@ class CoreReady:
 @dataclass(slots=True)
 class CoreFrame:
     """What one turn of the core's loop produced: at most one step's outputs (with the observer records
-    since the last frame), the answers to the calls it applied, and the queue state after it."""
+    since the last frame: queue and pool gauges travel in them) and the answers to the calls it applied."""
 
     outputs: CoreOutputs | None
     results: list[CallResult] = field(default_factory=list)
-    stats: SchedulerStats | None = None
 
 
 InputMessage = AddRequests | FinishRequests | UtilityCall | Shutdown

@@ -111,6 +111,8 @@ def _converters(hint: Any, codecs: dict[type, DataclassCodec]) -> tuple[Convert 
         converters = [_converters(a, codecs) for a in options]
         if all(e is None and d is None for e, d in converters):
             return None, None
+        if len(options) > 1 and all(dataclasses.is_dataclass(a) for a in options):
+            return _union_codec(options, codecs)  # e.g. the kinds of KV event: [which, fields]
         if len(options) != 1:
             raise TypeError(f"wire: a union of several converted types is ambiguous: {hint}")
         return converters[0]  # None is never converted (see DataclassCodec)
@@ -128,6 +130,22 @@ def _converters(hint: Any, codecs: dict[type, DataclassCodec]) -> tuple[Convert 
     if hint in (int, float, str, bool, bytes, type(None)):
         return None, None
     raise TypeError(f"wire: no encoding for {hint!r}")
+
+
+def _union_codec(options: list[Any], codecs: dict[type, DataclassCodec]) -> tuple[Convert, Convert]:
+    """A value of one of several dataclasses, as [its index among them, its fields]."""
+    members = [codecs.get(cls) or DataclassCodec(cls, codecs) for cls in options]
+    index = {cls: i for i, cls in enumerate(options)}
+
+    def encode(value: Any) -> Any:
+        which = index[type(value)]
+        return [which, members[which].encode(value)]
+
+    def decode(item: Any) -> Any:
+        which, values = item
+        return members[which].decode(values)
+
+    return encode, decode
 
 
 def _each(convert: Convert | None, optional: bool) -> Convert | None:

@@ -269,8 +269,6 @@ class FrontLoop:
         e = self.e
         for result in frame.results:  # first: a request is live before its first output is delivered
             self._answer(result)
-        if frame.stats is not None and e.metrics is not None:
-            e.metrics.observe_stats(frame.stats)
         core = frame.outputs
         if core is None:
             return
@@ -303,8 +301,6 @@ class FrontLoop:
                 if metrics is not None:
                     metrics.observe_finished(reason, output.metrics)
             deliveries.append((live.stream, output))
-        if metrics is not None and (core.num_scheduled or processed.outputs):
-            metrics.observe_step(core.record, processed.outputs)
         self._deliver(deliveries)
 
     def _deliver(self, deliveries: list[Delivery]) -> None:
