@@ -15,31 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from collections.abc import Sequence
 
 import torch
 
 from tokenloop.config import EngineConfig
+from tokenloop.core.isolation import Failure, Sampled, execute_isolated, sample_isolated
 from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.kv_events import KVEventBatch, KVEventLog, KVIndexSnapshot
 from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
-from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, SchedulerStats
+from tokenloop.core.recording import gauges, release_infos, step_record
+from tokenloop.core.scheduler import Scheduler, SchedulerStats
 from tokenloop.errors import InvalidRequestError
 from tokenloop.model.dtypes import CpuFeatures, build_model, resolve_dtype
 from tokenloop.model.loader import Checkpoint, load_checkpoint
-from tokenloop.observe.records import (
-    ArrivalRecord,
-    ObserverSet,
-    Observes,
-    ReleaseInfo,
-    ScheduledChunk,
-    StepGauges,
-    StepRecord,
-)
+from tokenloop.observe.records import ArrivalRecord, ObserverSet, Observes
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
 from tokenloop.runner import ModelRunner, RunnerOutput
-from tokenloop.sampler import Sampler, SamplingBatch, TokenLogprobs
+from tokenloop.sampler import Sampler, TokenLogprobs
 from tokenloop.structured.engine_hooks import StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -131,7 +124,7 @@ class EngineCore:
         except Exception:
             for request in added:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
-            self.scheduler.take_releases()  # never admitted as far as anyone outside knows
+            self.scheduler.take_releases()  # never admitted, as far as anyone outside knows
             raise
         for request in added:
             self._requests[request.request_id] = request
@@ -155,7 +148,7 @@ class EngineCore:
             request.stop_reason = stop_reason
             self.scheduler.finish_request(request_id, status)
             finals.append(self._final_output(request, CoreOutput(request_id, [])))
-        releases = self._take_releases()
+        releases = release_infos(self.scheduler.take_releases())
         if releases:
             self.observers.release(releases)
         return finals
@@ -176,39 +169,42 @@ class EngineCore:
         """Go around the loop once; outputs of every request that got tokens or ended."""
         clock = self.clock
         start = clock()
-        schedule = self.scheduler.schedule()
+        schedule = self.scheduler.schedule()  # the KV stage inside: prefix hits, allocation, preemption
         self.runner.apply_block_diffs(schedule)
         schedule_end = clock()
         pending: dict[str, _Pending] = {}
-        for request in schedule.failed:  # failed while being scheduled: they end now, alone
-            self._touch(pending, request)
+        failures: list[Failure] = []
         result: RunnerOutput | None = None
-        sampled: list[tuple[Request, int, TokenLogprobs | None]] = []
         if not schedule.is_empty:
             self.num_steps += 1
-            schedule, result = self._execute_isolated(schedule, pending)
+            schedule, result, failures = execute_isolated(self.runner, schedule)
         execute_end = clock()
+        sampled: list[Sampled] = []
         if result is not None:
             self.scheduler.update_from_output(schedule)
             sampling = [schedule.scheduled[i].request for i in result.sample_indices]
-            sampled = self._sample_isolated(result.logits, sampling, pending) if sampling else []
+            sampled, failed_sampling = sample_isolated(self.sampler, result.logits, sampling, self.vocab_size)
+            failures += failed_sampling
             self._record_prompt_logprobs(result, pending)
         sample_end = clock()
         for request, token, logprobs in sampled:
             try:
                 self._update(request, token, logprobs, sample_end, pending)
-            except Exception:  # noqa: BLE001 - one request's failure must not take the others down
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the others down
                 logger.exception("update of %s failed", request.request_id)
-                self._fail_request(request, "updating")
-                self._touch(pending, request)
-        releases = self._take_releases()
+                failures.append((request, "updating", exc))
+        for request, stage, cause in failures:
+            self._fail_request(request, stage, cause)
+        for request in [*schedule.failed, *(f[0] for f in failures)]:  # they end now, alone
+            self._touch(pending, request)
+        releases = release_infos(self.scheduler.take_releases())
         outputs = [self._final_output(p.request, p.output) if p.request.is_finished
                    else self._with_numbers(p.request, p.output) for p in pending.values()]
         end = clock()
         record = None
         if self.observers and (not schedule.is_empty or schedule.preempted or releases):
-            record = self._record(schedule, result, sampled, releases, start, schedule_end, execute_end,
-                                  sample_end, end)
+            record = step_record(self.num_steps, (start, schedule_end, execute_end, sample_end, end), schedule,
+                                 result, sampled, releases, gauges(self.scheduler, self.kv_cache))
             self.observers.step(record)
         kv_events = self.kv_events.flush(end) if self.kv_events is not None else None
         return CoreOutputs(outputs, sample_end, len(schedule.scheduled), record, kv_events=kv_events)
@@ -294,116 +290,8 @@ class EngineCore:
             output.new_prompt_logprobs.extend(values)
             self._prompt_logprobs_sent[piece.request_id] = sent + len(values)
 
-    # ---- release and record ----------------------------------------------------------------------
-
-    def _take_releases(self) -> list[ReleaseInfo]:
-        infos = []
-        for request, release, start, end in self.scheduler.take_releases():
-            t = request.times
-            infos.append(ReleaseInfo(
-                request.request_id, request.status.value, request.finish_reason, request.stop_reason,
-                request.error, release.block_ids, release.num_freed, release.num_kept_cached,
-                release.num_still_shared, start, end, t.arrival, t.first_scheduled, t.first_token, t.last_token,
-                t.finished if t.finished is not None else start, request.num_prompt_tokens,
-                request.num_output_tokens, request.num_cached_tokens, request.num_preemptions))
-        return infos
-
-    def _record(self, schedule: SchedulerOutput, result: RunnerOutput | None,
-                sampled: list[tuple[Request, int, TokenLogprobs | None]], releases: list[ReleaseInfo],
-                start: int, schedule_end: int, execute_end: int, sample_end: int, end: int) -> StepRecord:
-        chunks = [ScheduledChunk(item.request_id, item.num_computed_tokens, item.num_tokens,
-                                 item.request.num_prompt_tokens, item.samples, item.new_block_ids,
-                                 item.num_reused_blocks, item.prefix_hit_tokens, item.admitted, item.num_blocks)
-                  for item in schedule.scheduled]
-        kv = self.kv_cache
-        scheduler = self.scheduler
-        gauges = StepGauges(
-            scheduler.num_running, scheduler.num_waiting, scheduler.stats().num_preempted_waiting,
-            kv.num_blocks, kv.block_size, kv.num_free_blocks, kv.pool.num_cached_free, kv.prefix_cache_queries,
-            kv.prefix_cache_hits, kv.evictions, scheduler.num_preemptions)
-        return StepRecord(
-            self.num_steps, start, schedule_end, execute_end, sample_end, end, schedule.kv_ns,
-            int(result.forward_s * 1e9) if result is not None else 0, sum(r.end_ns - r.start_ns for r in releases),
-            schedule.num_batched_tokens, chunks, [r.request_id for r in schedule.preempted],
-            [r.request_id for r, _, _ in sampled], [t for _, t, _ in sampled], releases, gauges,
-            result.weight_form if result is not None else "")
-
-    # ---- fault isolation: a stage that raises for one request fails that request alone ------------
-
-    def _execute_isolated(self, schedule: SchedulerOutput, pending: dict[str, _Pending],
-                          ) -> tuple[SchedulerOutput, RunnerOutput | None]:
-        """One forward over the batch; if it raises, find the requests it fails for and rerun without them.
-
-        Rerunning is safe: a forward only writes the K/V of its own slots, and writes the same values again.
-        """
-        try:
-            return schedule, self.runner.execute(schedule)
-        except Exception as exc:  # noqa: BLE001 - isolate below
-            logger.exception("model forward failed for a batch of %d request(s)", len(schedule.scheduled))
-            first_error = exc
-        items = schedule.scheduled
-        middle = len(items) // 2
-        failing = (self._failing_items(schedule, items[:middle]) + self._failing_items(schedule, items[middle:])
-                   if len(items) > 1 else [(items[0], first_error)])
-        for item, cause in failing:
-            self._fail_request(item.request, "running the model on", cause)
-            self._touch(pending, item.request)
-        failed = {id(item) for item, _ in failing}
-        survivors = [item for item in items if id(item) not in failed]
-        if not survivors:
-            return schedule, None
-        rest = self._sub_schedule(schedule, survivors)
-        try:
-            return rest, self.runner.execute(rest)
-        except Exception as exc:  # noqa: BLE001 - fails only together: give up on all of them
-            logger.exception("model forward failed again for the remaining batch")
-            for item in survivors:
-                self._fail_request(item.request, "running the model on", exc)
-                self._touch(pending, item.request)
-            return rest, None
-
-    def _failing_items(self, schedule: SchedulerOutput, items: list[ScheduledRequest],
-                       ) -> list[tuple[ScheduledRequest, BaseException]]:
-        """The items whose forward fails, by bisection: one culprit in B costs ~2 log2(B) smaller forwards."""
-        if not items:
-            return []
-        try:
-            self.runner.execute(self._sub_schedule(schedule, items))
-            return []
-        except Exception as exc:  # noqa: BLE001 - narrowed down below
-            if len(items) == 1:
-                logger.exception("model forward failed for request %s", items[0].request_id)
-                return [(items[0], exc)]
-        middle = len(items) // 2
-        return self._failing_items(schedule, items[:middle]) + self._failing_items(schedule, items[middle:])
-
-    @staticmethod
-    def _sub_schedule(schedule: SchedulerOutput, items: list[ScheduledRequest]) -> SchedulerOutput:
-        return dataclasses.replace(schedule, scheduled=items, num_batched_tokens=sum(i.num_tokens for i in items))
-
-    def _sample_isolated(self, logits: torch.Tensor, requests: list[Request], pending: dict[str, _Pending],
-                         ) -> list[tuple[Request, int, TokenLogprobs | None]]:
-        """Sample every row at once; if that raises, row by row, failing only the rows that raise."""
-        try:
-            out = self.sampler.sample(logits, SamplingBatch.from_requests(requests, self.vocab_size))
-            return list(zip(requests, out.token_ids, out.logprobs))
-        except Exception:  # noqa: BLE001 - isolate below
-            logger.exception("sampling failed for a batch of %d request(s)", len(requests))
-        sampled = []
-        for row, request in enumerate(requests):
-            try:
-                out = self.sampler.sample(logits[row:row + 1], [request])
-            except Exception:  # noqa: BLE001 - this row's sampling fails: it ends with an error
-                logger.exception("sampling failed for request %s", request.request_id)
-                self._fail_request(request, "sampling")
-                self._touch(pending, request)
-                continue
-            sampled.append((request, out.token_ids[0], out.logprobs[0]))
-        return sampled
-
-    def _fail_request(self, request: Request, stage: str, cause: BaseException | None = None) -> None:
-        # The exception is this request's own (isolated above): its text may help an offline caller.
-        cause = cause if cause is not None else sys.exc_info()[1]
+    def _fail_request(self, request: Request, stage: str, cause: BaseException) -> None:
+        # The exception is this request's own (isolated): its text may help an offline caller.
         detail = f" ({type(cause).__name__}: {str(cause)[:200]})" if cause is not None else ""
         request.error = f"the server failed while {stage} this request{detail}"
         if request.times.finished is None:

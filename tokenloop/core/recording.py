@@ -1,0 +1,49 @@
+"""The engine core's records, built from what a step's stages returned (tokenloop.observe.records)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenloop.core.kv_cache import BlockRelease, KVCacheManager
+from tokenloop.core.scheduler import Scheduler, SchedulerOutput
+from tokenloop.observe.records import ReleaseInfo, ScheduledChunk, StepGauges, StepRecord
+from tokenloop.request import Request
+from tokenloop.runner import RunnerOutput
+
+
+def release_infos(releases: Sequence[tuple[Request, BlockRelease, int, int]]) -> list[ReleaseInfo]:
+    """The scheduler's releases (request, what its blocks became, start and end ns) as records."""
+    infos = []
+    for request, release, start, end in releases:
+        t = request.times
+        infos.append(ReleaseInfo(
+            request.request_id, request.status.value, request.finish_reason, request.stop_reason,
+            request.error, release.block_ids, release.num_freed, release.num_kept_cached,
+            release.num_still_shared, start, end, t.arrival, t.first_scheduled, t.first_token, t.last_token,
+            t.finished if t.finished is not None else start, request.num_prompt_tokens,
+            request.num_output_tokens, request.num_cached_tokens, request.num_preemptions))
+    return infos
+
+
+def gauges(scheduler: Scheduler, kv: KVCacheManager) -> StepGauges:
+    return StepGauges(
+        scheduler.num_running, scheduler.num_waiting, scheduler.stats().num_preempted_waiting, kv.num_blocks,
+        kv.block_size, kv.num_free_blocks, kv.pool.num_cached_free, kv.prefix_cache_queries,
+        kv.prefix_cache_hits, kv.evictions, scheduler.num_preemptions)
+
+
+def step_record(index: int, times: Sequence[int], schedule: SchedulerOutput, result: RunnerOutput | None,
+                sampled: Sequence[tuple[Request, int, object]], releases: list[ReleaseInfo],
+                gauges: StepGauges) -> StepRecord:
+    """`times`: start, schedule end, execute end, sample end, end (engine-clock ns)."""
+    start, schedule_end, execute_end, sample_end, end = times
+    chunks = [ScheduledChunk(item.request_id, item.num_computed_tokens, item.num_tokens,
+                             item.request.num_prompt_tokens, item.samples, item.new_block_ids,
+                             item.num_reused_blocks, item.prefix_hit_tokens, item.admitted, item.num_blocks)
+              for item in schedule.scheduled]
+    return StepRecord(
+        index, start, schedule_end, execute_end, sample_end, end, schedule.kv_ns,
+        int(result.forward_s * 1e9) if result is not None else 0, sum(r.end_ns - r.start_ns for r in releases),
+        schedule.num_batched_tokens, chunks, [r.request_id for r in schedule.preempted],
+        [r.request_id for r, _, _ in sampled], [t for _, t, _ in sampled], releases, gauges,
+        result.weight_form if result is not None else "")
