@@ -13,6 +13,7 @@ It exits on `Shutdown`, or on its own when the parent process is gone (its paren
 from __future__ import annotations
 
 import logging
+import gc
 import os
 import signal
 import sys
@@ -78,6 +79,10 @@ def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Soc
         outputs.send(wire.encode(CoreReady(os.getpid(), 0, 0, 0, 0, "", error)))
         return None
     kv = core.kv_cache
+    # What exists now (the model, the tokenizer, the pool) lives as long as the process: out of the
+    # collector's sight, a full collection no longer walks it in the middle of a step (vLLM does the same).
+    gc.collect()
+    gc.freeze()
     outputs.send(wire.encode(CoreReady(os.getpid(), core.max_model_len, core.vocab_size, kv.num_blocks,
                                        kv.block_size, core.dtype_choice.describe())))
     return CoreLoop(core, buffer)
