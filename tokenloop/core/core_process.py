@@ -12,8 +12,8 @@ It exits on `Shutdown`, or on its own when the parent process is gone (its paren
 
 from __future__ import annotations
 
-import logging
 import gc
+import logging
 import os
 import signal
 import sys
