@@ -48,7 +48,6 @@ class LLMEngine:
         self.tokenizer: Tokenizer = self.checkpoint.tokenizer
         self.outputs = OutputProcessor(self.tokenizer)
         self._request_counter = 0
-        self.last_num_scheduled = 0  # requests the last step ran (0: nothing fitted)
         if tracer is not None and hasattr(tracer, "bind"):
             tracer.bind(self.tokenizer, self.core.kv_cache.block_size, clock)
 
@@ -162,7 +161,6 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Go around the loop once; return the outputs of every request that progressed or ended."""
         core_outputs = self.core.step()
-        self.last_num_scheduled = core_outputs.num_scheduled
         processed = self.outputs.process(core_outputs)
         for core_id, stop in processed.stopped:  # found in the text: the core stops computing it now
             self.core.finish_requests([core_id], "stop", stop)
