@@ -1,0 +1,190 @@
+"""The OpenAI-compatible HTTP app over an `AsyncEngine`: `create_app(engine, ...)` and its routes.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming or not),
+POST /tokenize and /detokenize (vLLM's shapes), GET /health, /version, /metrics, and the trace routes.
+Every error is an OpenAI error body `{"error": {"message", "type", "param", "code"}}`: 400 for bad
+input (including FastAPI's own validation errors), 401 for a missing or wrong API key, 400 for an
+unknown model, 429 with Retry-After when the waiting queue is full, 500 when the engine failed the
+request, 503 while shutting down.
+
+A client that goes away, streaming or not, has its requests aborted before the engine's next step.
+The routes only parse and dispatch: the endpoints' logic is in `completions.py` and `chat.py`, on the
+shared `base.ServingBase`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenloop import __version__
+from tokenloop.engine import LLMEngine
+from tokenloop.errors import TokenloopError
+from tokenloop.observe.metrics import CONTENT_TYPE, EngineMetrics
+from tokenloop.serving.async_engine import AsyncEngine
+from tokenloop.serving.chat import ChatServing
+from tokenloop.serving.completions import CompletionsServing
+from tokenloop.serving.errors import APIError, api_error, internal_error, new_incident_id, validation_error
+from tokenloop.serving.limits import EdgeGuard, ServerLimits
+from tokenloop.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                        VersionResponse)
+from tokenloop.serving.trace_routes import make_trace_router
+from tokenloop.serving.validation import parse_json_object, validate_body
+
+logger = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+class OpenAIServing(CompletionsServing, ChatServing):
+    """Every endpoint's logic on one shared base: one executor, one token-text cache, one set of checks."""
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def create_app(
+    engine: LLMEngine | None,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    shutdown_timeout_s: float = 5.0,
+    async_engine: AsyncEngine | None = None,
+    limits: ServerLimits | None = None,
+) -> FastAPI:
+    """A FastAPI app serving `engine` (which it runs on its own thread from startup to shutdown), or
+    `async_engine` (say, `AsyncEngine.with_core_process`: the core in its own process; `engine` is None).
+
+    `served_model_name` is what clients put in `model` (default: the engine's model name or path).
+    With `api_key`, every route that accepts work or reveals request data wants
+    `Authorization: Bearer <api_key>` (see `limits.EdgeGuard`). Shutdown lets in-flight requests finish
+    for `shutdown_timeout_s`, then aborts the rest.
+    """
+    limits = limits or ServerLimits()
+    if async_engine is None:
+        if engine is None:
+            raise ValueError("create_app needs an engine or an async_engine")
+        model_name = served_model_name or engine.config.model
+        async_engine = AsyncEngine(engine, EngineMetrics(model_name),
+                                   max_stream_backlog=limits.max_stream_backlog)
+    model_name = served_model_name or async_engine.config.model
+    metrics = async_engine.metrics
+    serving = OpenAIServing(async_engine, model_name, model_aliases=[async_engine.config.model],
+                            limits=limits)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.shutdown(shutdown_timeout_s)
+            serving.close()
+
+    app = FastAPI(title="tokenloop", version=__version__, lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.serving = serving
+    app.state.metrics = metrics
+    app.state.limits = limits
+    app.add_middleware(EdgeGuard, api_key=api_key, limits=limits)
+
+    @app.exception_handler(APIError)
+    async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(TokenloopError)
+    async def _on_tokenloop_error(_: Request, exc: TokenloopError) -> JSONResponse:
+        error = api_error(exc)
+        if error.status >= 500:
+            logger.error("%s (%s)", error.message, type(exc).__name__, exc_info=exc)
+        return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return APIError(exc.status_code, str(exc.detail), kind, None, None, headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(raw: Request, exc: Exception) -> JSONResponse:
+        incident = new_incident_id()
+        logger.error("unexpected error while serving %s %s (%s)", raw.method, raw.url.path, incident,
+                     exc_info=exc)
+        return internal_error(incident).response()
+
+    async def json_body(raw: Request, model: type[ModelT] | None = None) -> Any:
+        """The checked body (validated as `model` when given). EdgeGuard has read and bounded it already;
+        parsing and validating a body of megabytes is CPU work, so it runs off the event loop."""
+        body, content_type = await raw.body(), raw.headers.get("content-type")
+
+        def parse() -> Any:
+            value = parse_json_object(body, content_type, limits.max_json_depth)
+            return value if model is None else validate_body(model, value)
+
+        return await serving.off_loop(parse)
+
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.get("/models")
+    async def list_models() -> Response:
+        return _json(serving.models())
+
+    @v1.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        serving.check_model(model_id)
+        return _json(serving.models().data[0])
+
+    @v1.post("/completions")
+    async def create_completion(raw: Request) -> Response:
+        return await serving.completions(await json_body(raw, CompletionRequest), raw)
+
+    @v1.post("/chat/completions")
+    async def create_chat_completion(raw: Request) -> Response:
+        return await serving.chat(await json_body(raw, ChatCompletionRequest), raw)
+
+    app.include_router(v1)
+    # /v1/trace* and /v1/dashboard/state are behind the key (EdgeGuard); the /dashboard page asks for it.
+    app.include_router(make_trace_router(lambda: async_engine.tracer))
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        body = await json_body(raw)
+        return _json(await serving.off_loop(serving.tokenize, body))
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        req = await json_body(raw, DetokenizeRequest)
+        return _json(await serving.off_loop(serving.detokenize, req))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running or not async_engine.accepting:
+            raise APIError(503, "the engine is not running", "server_error", None, "service_unavailable")
+        return Response(status_code=200)
+
+    app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head",
+                      include_in_schema=False)  # load balancers probe with HEAD
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json(VersionResponse(version=__version__))
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
