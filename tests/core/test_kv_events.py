@@ -14,24 +14,11 @@ from tokenloop.core.kv_events import (
     AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, KVEventLog, KVIndexMirror,
     KVIndexSnapshot, batch_from_wire, batch_to_wire,
 )
-from tokenloop.request import Request, SamplingParams
+from tests.core.test_kv_cache import admit, make_request
+from tokenloop.request import Request
 
 BS = 4
 SALTS = (None, "s")
-
-
-def make_request(request_id: str, tokens: list[int], salt: str | None = None) -> Request:
-    return Request(request_id, tokens, SamplingParams(max_tokens=8), 0, cache_salt=salt)
-
-
-def admit(kv: KVCacheManager, request: Request, num_tokens: int | None = None) -> list[KVBlock] | None:
-    """Prefix lookup + allocation of the rest of the request (or `num_tokens` of it), like the scheduler."""
-    hits, num_hit = kv.get_computed_blocks(request)
-    n = (request.num_tokens - num_hit) if num_tokens is None else num_tokens
-    new = kv.allocate(request, n, hits, num_hit)
-    if new is not None:
-        request.num_computed_tokens = num_hit + n
-    return new
 
 
 def index(kv: KVCacheManager) -> set[int]:

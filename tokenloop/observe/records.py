@@ -122,14 +122,29 @@ class StepRecord:
 
     def stage_ns(self) -> dict[str, int]:
         """Duration of each stage; they add up to `end_ns - start_ns`."""
-        return {
-            "schedule": self.schedule_end_ns - self.start_ns - self.kv_ns,
-            "kv": self.kv_ns,
-            "execute": self.execute_end_ns - self.schedule_end_ns,
-            "sample": self.sample_end_ns - self.execute_end_ns,
-            "update": self.end_ns - self.sample_end_ns - self.release_ns,
-            "release": self.release_ns,
-        }
+        return stage_durations(self)
+
+
+class _StageBounds(Protocol):
+    start_ns: int
+    schedule_end_ns: int
+    execute_end_ns: int
+    sample_end_ns: int
+    end_ns: int
+    kv_ns: int
+    release_ns: int
+
+
+def stage_durations(step: _StageBounds) -> dict[str, int]:
+    """The loop's stages of one step, from its boundaries: they tile [start_ns, end_ns]."""
+    return {
+        "schedule": step.schedule_end_ns - step.start_ns - step.kv_ns,
+        "kv": step.kv_ns,
+        "execute": step.execute_end_ns - step.schedule_end_ns,
+        "sample": step.sample_end_ns - step.execute_end_ns,
+        "update": step.end_ns - step.sample_end_ns - step.release_ns,
+        "release": step.release_ns,
+    }
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenloop.observe.records import ReleaseInfo, StepRecord
+from tokenloop.observe.records import ReleaseInfo, StepRecord, stage_durations
 
 STAGES = ("schedule", "kv", "execute", "sample", "update", "release")
 """The loop's stages in the order one iteration runs them (the seed diagram's node keys)."""
@@ -66,14 +66,7 @@ class IterationTrace:
 
     def stage_ns(self) -> dict[str, int]:
         """Duration of each stage; they add up to `end_ns - start_ns`."""
-        return {
-            "schedule": self.schedule_end_ns - self.start_ns - self.kv_ns,
-            "kv": self.kv_ns,
-            "execute": self.execute_end_ns - self.schedule_end_ns,
-            "sample": self.sample_end_ns - self.execute_end_ns,
-            "update": self.end_ns - self.sample_end_ns - self.release_ns,
-            "release": self.release_ns,
-        }
+        return stage_durations(self)
 
 
 
