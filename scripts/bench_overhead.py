@@ -16,6 +16,7 @@ Usage: python scripts/bench_overhead.py [--requests 256] [--lengths 128 512 2048
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import random
@@ -161,10 +162,20 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--last", type=int, default=64, help="steps at the end of the run for the tail column")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gc", choices=("default", "engine-process", "off"), default="default",
+                        help="the collector as CPython sets it, as the engine core process sets it, or off")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = tiny_checkpoint(Path(tmp), PROMPT_LEN + max(args.lengths) + 16)
+        if args.gc == "engine-process":
+            from tokenloop.core.core_process import _GC_THRESHOLDS
+
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(*_GC_THRESHOLDS)
+        elif args.gc == "off":
+            gc.disable()
         rows = []
         for length in args.lengths:
             begin = time.perf_counter()
@@ -173,7 +184,7 @@ def main() -> None:
             rows.append((length, summary))
             print(f"# output {length}: {summary}", file=sys.stderr, flush=True)
     print(f"\n{args.requests} running requests, tiny random Llama (2 layers, width 64), fp32, greedy, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, gc {args.gc}")
     print("| output tokens | decode steps | step ms | forward ms | overhead ms | overhead % "
           f"| overhead ms, last {args.last} steps | overhead %, last {args.last} "
           f"| of it: batch build ms (mean / last {args.last}) | sampler ms (mean / last {args.last}) |")
