@@ -248,9 +248,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         "block_size": engine.kv_cache.block_size,
         "cost": {"combine": "sum", "coefficients": report.model.as_dict()},
         "source": command,
-        "sources": {"coefficients": f"NNLS fit of step durations (end - start) over {report.num_steps} real "
-                                    f"steps; median |relative error| {report.median_abs_rel_error:.3f}, "
-                                    f"mean step {report.mean_step_s * 1e3:.1f} ms",
+        "sources": {"coefficients": f"NNLS fit (relative errors) of step durations (end - start) over "
+                                    f"{report.num_steps} of {report.num_records} real steps, the others "
+                                    f"trimmed as outliers; median |relative error| "
+                                    f"{report.median_abs_rel_error:.3f}, mean step {report.mean_step_s * 1e3:.1f} "
+                                    f"ms; measured {time.strftime('%Y-%m-%d', time.gmtime())}",
                     "kv_bytes_per_token": "the loaded model's KV layout (layers x kv heads x head dim x dtype)"},
     }
     Path(args.out).write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")

@@ -174,17 +174,22 @@ class FitReport:
     """A fitted model and how well it explains the records it was fitted on."""
 
     model: StepCostModel
-    num_steps: int
+    num_steps: int  # fitted on (after trimming)
+    num_records: int  # steps offered
     median_abs_rel_error: float
     mean_step_s: float
 
 
-def fit(records: Sequence[StepRecord], *, terms: Sequence[str] = TERMS,
-        duration: str = "step") -> FitReport:
+def fit(records: Sequence[StepRecord], *, terms: Sequence[str] = TERMS, duration: str = "step",
+        relative: bool = True, trim: float | None = 3.0, rounds: int = 3) -> FitReport:
     """Fit a `combine="sum"` model to real steps: each record's features against its duration.
 
     `duration`: "step" (end - start: the whole loop body, the time the next step waits for) or "forward"
-    (the model forward alone). Terms left out of `terms` stay 0.
+    (the model forward alone). `relative`: minimise relative errors (each row divided by its duration),
+    so a few multi-second prefill steps do not outweigh the many short decode steps. `trim`: refit
+    without the steps whose relative error exceeds `trim` x the median (up to `rounds` times, keeping at
+    least half): on a shared machine another process's burst only ever adds time to a step, and such
+    steps say nothing about the engine. Terms left out of `terms` stay 0.
     """
     unknown = [t for t in terms if t not in TERMS]
     if unknown:
@@ -195,8 +200,16 @@ def fit(records: Sequence[StepRecord], *, terms: Sequence[str] = TERMS,
     columns = [TERMS.index(t) for t in terms]
     a = np.stack([features_of_record(r).vector()[columns] for r in steps])
     b = np.array([(r.end_ns - r.start_ns if duration == "step" else r.forward_ns) / 1e9 for r in steps])
-    x = nnls(a, b)
+    weights = 1.0 / np.maximum(b, 1e-9) if relative else np.ones_like(b)
+    keep = np.ones(len(b), dtype=bool)
+    for round_ in range(rounds if trim else 1):
+        x = nnls(a[keep] * weights[keep, None], b[keep] * weights[keep])
+        rel = np.abs(a @ x - b) / np.maximum(b, 1e-12)
+        if trim is None or round_ == rounds - 1:
+            break
+        bound = max(trim * float(np.median(rel[keep])), float(np.quantile(rel, 0.5)))
+        if (rel <= bound).sum() < len(terms) or (rel <= bound).all():
+            break
+        keep = rel <= bound
     model = StepCostModel(**{t: float(v) for t, v in zip(terms, x)})
-    predicted = a @ x
-    rel = np.abs(predicted - b) / np.maximum(b, 1e-12)
-    return FitReport(model, len(steps), float(np.median(rel)), float(b.mean()))
+    return FitReport(model, int(keep.sum()), len(b), float(np.median(rel[keep])), float(b[keep].mean()))
