@@ -13,8 +13,8 @@ from tokenloop.cli.main import main
 
 def tiny_trace(path: Path) -> Path:
     write_trace([TraceRequest(id=f"r{i}", arrival_s=i * 0.002, max_tokens=3 + i % 4,
-                              prompt_tokens=tuple(range(5 + i, 25 + i)), user=f"u{i % 2}") for i in range(10)],
-                path)
+                              prompt_tokens=tuple(range(5 + i, 25 + i)), user=f"u{i % 2}")
+                 for i in range(10)], path)
     return path
 
 

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from tokenloop.observe.records import ScheduledChunk, StepGauges, StepRecord
-from tokenloop.sim.cost import TERMS, StepCostModel, features_of_record, fit, nnls
+from tokenloop.sim.cost import TERMS, StepCostModel, StepFeatures, features_of_record, fit, nnls
 from tokenloop.sim.profiles import ProfileError, load_profile, shipped_profiles
-from tokenloop.sim.cost import StepFeatures
 
 
 def synthetic_record(index: int, chunks: list[tuple[int, int, bool]], duration_ns: int) -> StepRecord:
@@ -30,7 +29,8 @@ def test_nnls_recovers_known_coefficients_from_synthetic_records() -> None:
         batch = rng.choice([1, 2, 4, 8, 16])
         chunks = [(rng.choice([0, 32, 128, 512]), rng.choice([1, 1, 1, 16, 64]), rng.random() < 0.9)
                   for _ in range(batch)]
-        records.append(synthetic_record(i, chunks, truth.step_ns(features_of_record(synthetic_record(0, chunks, 1)))))
+        duration = truth.step_ns(features_of_record(synthetic_record(0, chunks, 1)))
+        records.append(synthetic_record(i, chunks, duration))
     report = fit(records)
     for name in TERMS:
         assert getattr(report.model, name) == pytest.approx(getattr(truth, name), rel=1e-3, abs=1e-9)
@@ -71,7 +71,8 @@ def test_the_h100_profile_prices_a_batch_1_decode_step_near_published_numbers() 
     h100 = load_profile("h100-llama3-8b").cost_model
     one = h100.step_seconds(StepFeatures(tokens=1, kv_read_tokens=512, sampled_rows=1, seqs=1))
     assert 0.0045 < one < 0.015  # 7-8B decode steps on H100: 5-15 ms published; 4.8 ms roofline
-    assert h100.critical_path(StepFeatures(tokens=1, kv_read_tokens=512, sampled_rows=1, seqs=1)) == "bandwidth"
+    decode = StepFeatures(tokens=1, kv_read_tokens=512, sampled_rows=1, seqs=1)
+    assert h100.critical_path(decode) == "bandwidth"
     assert h100.critical_path(StepFeatures(tokens=4096, sampled_rows=1, seqs=1)) == "compute"
 
 

@@ -3,7 +3,12 @@ model; outputs have the trace's lengths; time moves by exactly the modelled step
 
 from __future__ import annotations
 
-from tokenloop.bench.replay import SIMULATED_CLOCK, VirtualClock, greedy_params, replay_engine
+from tokenloop.bench.replay import (
+    SIMULATED_CLOCK,
+    VirtualClock,
+    greedy_params,
+    replay_engine,
+)
 from tokenloop.bench.trace import TraceRequest
 from tokenloop.llm import build_engine_config
 from tokenloop.observe.records import EngineObserver, StepRecord

@@ -17,8 +17,9 @@ import json
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tokenloop.cli.options import positive_int
 from tokenloop.config import SCHEDULING_POLICIES
@@ -57,9 +58,9 @@ def add_simulate_subparser(subparsers: Any) -> argparse.ArgumentParser:
     out.add_argument("--save-result", metavar="FILE", help="write every run's numbers and timelines as JSON")
     out.add_argument("--disable-tqdm", action="store_true")
     calibrate = parser.add_argument_group("calibrate")
-    calibrate.add_argument("--model", default=DEFAULT_MODEL, help="the model to calibrate (default: %(default)s)")
-    calibrate.add_argument("--batches", default="1,4,16", help="batch sizes of the sweep (default: %(default)s)")
-    calibrate.add_argument("--contexts", default="32,256", help="prompt lengths of the sweep (default: %(default)s)")
+    calibrate.add_argument("--model", default=DEFAULT_MODEL, help="model to calibrate (default: %(default)s)")
+    calibrate.add_argument("--batches", default="1,4,16", help="sweep batch sizes (default: %(default)s)")
+    calibrate.add_argument("--contexts", default="32,256", help="sweep prompt lengths (default: %(default)s)")
     calibrate.add_argument("--decode-tokens", type=positive_int, default=12,
                            help="tokens each sweep request generates (default: %(default)s)")
     calibrate.add_argument("--out", help="calibrate: the profile file to write")
@@ -167,8 +168,8 @@ def _simulate(args: argparse.Namespace) -> int:
         trace = trace[:args.max_requests]
     trace = _tokenized(trace, profile.model)
     began = time.perf_counter()
-    result, config = simulate_trace(trace, profile, policies, _engine_options(args), time_scale=args.time_scale,
-                                    slos_ms=slos, progress=not args.disable_tqdm)
+    result, config = simulate_trace(trace, profile, policies, _engine_options(args),
+                                    time_scale=args.time_scale, slos_ms=slos, progress=not args.disable_tqdm)
     print(f"simulated {len(trace)} requests x {len(policies)} policies on profile {profile.name} "
           f"({profile.hardware}) in {time.perf_counter() - began:.1f} s")
     print(result.table(with_goodput=bool(slos)))
@@ -239,8 +240,9 @@ def _calibrate(args: argparse.Namespace) -> int:
     records, engine = calibration_records(args.model, batches, contexts, args.decode_tokens, args.seed)
     report = fit(records)
     kv_bytes_per_token = engine.model.kv_bytes_per_block(1)
-    command = " ".join(["tokenloop", "simulate", "calibrate", "--model", args.model, "--batches", args.batches,
-                        "--contexts", args.contexts, "--decode-tokens", str(args.decode_tokens), "--out", args.out])
+    command = " ".join(["tokenloop", "simulate", "calibrate", "--model", args.model, "--batches",
+                        args.batches, "--contexts", args.contexts, "--decode-tokens", str(args.decode_tokens),
+                        "--out", args.out])
     profile = {
         "name": Path(args.out).stem, "model": args.model,
         "hardware": f"this machine ({_cpu_name()}), {engine.dtype_choice.describe()}",
@@ -251,9 +253,11 @@ def _calibrate(args: argparse.Namespace) -> int:
         "sources": {"coefficients": f"NNLS fit (relative errors) of step durations (end - start) over "
                                     f"{report.num_steps} of {report.num_records} real steps, the others "
                                     f"trimmed as outliers; median |relative error| "
-                                    f"{report.median_abs_rel_error:.3f}, mean step {report.mean_step_s * 1e3:.1f} "
-                                    f"ms; measured {time.strftime('%Y-%m-%d', time.gmtime())}",
-                    "kv_bytes_per_token": "the loaded model's KV layout (layers x kv heads x head dim x dtype)"},
+                                    f"{report.median_abs_rel_error:.3f}, mean step "
+                                    f"{report.mean_step_s * 1e3:.1f} ms; measured "
+                                    f"{time.strftime('%Y-%m-%d', time.gmtime())}",
+                    "kv_bytes_per_token": "the loaded model's KV layout (layers x KV heads x head dim x "
+                                          "dtype)"},
     }
     Path(args.out).write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
     print(f"fitted {report.num_steps} steps: {report.model.as_dict()}; median |rel err| "

@@ -104,7 +104,8 @@ class StepCostModel:
     def _parts(self, f: StepFeatures) -> tuple[float, float, float]:
         """(bandwidth seconds, compute seconds, overhead seconds) of one step."""
         bandwidth = self.step * f.step + self.kv_read_tokens * f.kv_read_tokens
-        compute = self.tokens * f.tokens + self.prefill_attn * f.prefill_attn + self.sampled_rows * f.sampled_rows
+        compute = (self.tokens * f.tokens + self.prefill_attn * f.prefill_attn
+                   + self.sampled_rows * f.sampled_rows)
         return bandwidth, compute, self.seqs * f.seqs
 
     def step_seconds(self, features: StepFeatures) -> float:
@@ -115,7 +116,7 @@ class StepCostModel:
 
     def step_ns(self, features: StepFeatures) -> int:
         # At least 1 ns: time must move forward with every step, or a replay could spin at one instant.
-        return max(1, int(round(self.step_seconds(features) * 1e9)))
+        return max(1, round(self.step_seconds(features) * 1e9))
 
     def critical_path(self, features: StepFeatures) -> str:
         """'bandwidth' or 'compute': which side of the roofline bounds this step."""
@@ -141,7 +142,7 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None, tol: float =
     """
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
-    m, n = a.shape
+    n = a.shape[1]
     norms = np.linalg.norm(a, axis=0)
     norms[norms == 0] = 1.0
     a = a / norms

@@ -7,6 +7,7 @@ returned by `step()`, because per-token deltas are what a simulation at 10^5 req
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -77,11 +78,11 @@ class SimulatedEngine:
         self.core.observers.add(observer)
 
     @property
-    def scheduler(self):  # noqa: ANN201 - tokenloop.core.scheduler.Scheduler
+    def scheduler(self):
         return self.core.scheduler
 
     @property
-    def kv_cache(self):  # noqa: ANN201 - tokenloop.core.kv_cache.KVCacheManager
+    def kv_cache(self):
         return self.core.kv_cache
 
     @property
@@ -107,8 +108,8 @@ class SimulatedEngine:
             ids = list(prompt_token_ids)
         elif isinstance(prompt, str):
             if self._tokenize is None:
-                raise InvalidRequestError("the simulator takes token ids; this prompt is text and no tokenizer "
-                                          "was given", param="prompt")
+                raise InvalidRequestError("the simulator takes token ids; this prompt is text and no "
+                                          "tokenizer was given", param="prompt")
             ids = self._tokenize(prompt)
         elif prompt is not None:
             ids = list(prompt)
@@ -148,7 +149,7 @@ class SimulatedEngine:
         def s(ns: int | None) -> float | None:
             return None if ns is None else ns / NS_PER_S
 
-        itls = [(b - a) / NS_PER_S for a, b in zip(times, times[1:])]
+        itls = [(b - a) / NS_PER_S for a, b in itertools.pairwise(times)]
         metrics = SimulatedMetrics(tracked.arrival_ns / NS_PER_S, s(first_scheduled_ns),
                                    s(times[0] if times else None), s(times[-1] if times else None),
                                    finished_ns / NS_PER_S, itls, num_cached, num_preemptions)

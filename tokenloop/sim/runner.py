@@ -60,7 +60,7 @@ class SimulatedRunner:
     def apply_block_diffs(self, output: SchedulerOutput) -> None:
         """Nothing to keep: there are no KV tensors, and the scheduler owns the block tables."""
 
-    def block_table(self, request_id: str) -> list[int]:  # noqa: ARG002 - ModelRunner's interface
+    def block_table(self, request_id: str) -> list[int]:
         return []
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
@@ -68,16 +68,18 @@ class SimulatedRunner:
         cost_ns = self.cost_model.step_ns(features_of_schedule(output))
         self.clock.advance_by(cost_ns)
         self.modelled_ns += cost_ns
-        indices = [i for i, item in enumerate(output.scheduled) if item.samples]
+        indices = []
         tokens = []
-        for i in indices:
-            request = output.scheduled[i].request
-            # The token sampled now is output number num_output_tokens + 1; the last one is EOS.
-            last = request.num_output_tokens + 1 >= (request.sampling_params.max_tokens or 1)
-            tokens.append(self.eos_token_id if last else self.filler_token_id)
-        logits = torch.zeros((len(indices), self.vocab_size))
-        if indices:
-            logits[torch.arange(len(indices)), torch.tensor(tokens)] = 1.0
+        eos, filler = self.eos_token_id, self.filler_token_id
+        for i, item in enumerate(output.scheduled):
+            if item.samples:
+                request = item.request
+                indices.append(i)
+                # The token sampled now is output number num_output_tokens + 1; the last one is EOS.
+                last = request.num_output_tokens + 1 >= (request.sampling_params.max_tokens or 1)
+                tokens.append(eos if last else filler)
+        logits = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long),
+                                             self.vocab_size).to(torch.float32)
         return RunnerOutput(indices, logits, forward_s=cost_ns / 1e9, weight_form=WEIGHT_FORM)
 
 
