@@ -57,3 +57,21 @@ def test_a_malformed_trace_line_names_the_file_line_and_field(tmp_path: Path, ca
 @pytest.mark.parametrize("argv", [["simulate"], ["simulate", "calibrate"]])
 def test_missing_arguments_are_errors(argv: list[str]) -> None:
     assert main(argv) == 2
+
+
+def test_a_profile_for_another_block_size_is_refused(tmp_path: Path, caplog) -> None:
+    trace = tiny_trace(tmp_path / "t.jsonl")
+    assert main(["simulate", "--trace", str(trace), "--profile", "h100-llama3-8b", "--block-size", "32"]) == 2
+    assert "is for block size 16, not 32" in caplog.text
+
+
+def test_calibrate_fits_a_profile_that_simulate_then_runs(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "tiny-cpu.json"
+    assert main(["simulate", "calibrate", "--model", str(tiny_model_dir), "--batches", "1,3", "--contexts", "8,40",
+                 "--decode-tokens", "4", "--out", str(out)]) == 0
+    profile = json.loads(out.read_text())
+    assert profile["source"].startswith("tokenloop simulate calibrate --model")
+    assert all(v >= 0 for v in profile["cost"]["coefficients"].values())
+    trace = tiny_trace(tmp_path / "t.jsonl")
+    assert main(["simulate", "--trace", str(trace), "--profile", str(out), "--policies", "fcfs",
+                 "--disable-tqdm"]) == 0

@@ -109,6 +109,12 @@ def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], 
     from tokenloop.llm import build_engine_config
     from tokenloop.sim.engine import SimulatedEngine
 
+    from tokenloop.sim.profiles import ProfileError
+
+    if options.get("block_size", profile.block_size) != profile.block_size:
+        # Step costs were measured (or derived) with the profile's blocks; another size is another engine.
+        raise ProfileError(f"profile {profile.name!r} is for block size {profile.block_size}, not "
+                           f"{options['block_size']}")
     options = {"block_size": profile.block_size, **options}
     if "num_blocks" not in options and profile.kv_cache_memory_bytes:
         options["kv_cache_memory_bytes"] = profile.kv_cache_memory_bytes
@@ -211,15 +217,16 @@ def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[i
                                  max_num_batched_tokens=max(512, max(contexts)), seed=seed)
     engine = LLMEngine(config, observers=[Keep()])
     rng = random.Random(seed)
+    high = min(1000, engine.core.vocab_size)  # ids any vocabulary holds; no special meaning to them
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
-    engine.add_request("warmup", None, params, prompt_token_ids=[rng.randrange(10, 1000) for _ in range(16)])
+    engine.add_request("warmup", None, params, prompt_token_ids=[rng.randrange(10, high) for _ in range(16)])
     while engine.has_unfinished_requests():
         engine.step()
     records.clear()  # the first steps pay one-time costs
     for batch in batches:
         for context in contexts:
             for i in range(batch):
-                ids = [rng.randrange(10, 1000) for _ in range(context)]
+                ids = [rng.randrange(10, high) for _ in range(context)]
                 engine.add_request(f"b{batch}-c{context}-{i}", None, params, prompt_token_ids=ids)
             while engine.has_unfinished_requests():
                 engine.step()
