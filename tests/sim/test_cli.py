@@ -67,8 +67,8 @@ def test_a_profile_for_another_block_size_is_refused(tmp_path: Path, caplog) -> 
 
 def test_calibrate_fits_a_profile_that_simulate_then_runs(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "tiny-cpu.json"
-    assert main(["simulate", "calibrate", "--model", str(tiny_model_dir), "--batches", "1,3", "--contexts", "8,40",
-                 "--decode-tokens", "4", "--out", str(out)]) == 0
+    assert main(["simulate", "calibrate", "--model", str(tiny_model_dir), "--batches", "1,3",
+                 "--contexts", "8,40", "--decode-tokens", "4", "--out", str(out)]) == 0
     profile = json.loads(out.read_text())
     assert profile["source"].startswith("tokenloop simulate calibrate --model")
     assert all(v >= 0 for v in profile["cost"]["coefficients"].values())
