@@ -30,7 +30,12 @@ def test_simulate_prints_the_policy_table_and_saves_the_result(tmp_path: Path, c
     assert [run["label"] for run in document["runs"]] == ["fcfs", "sjf"]
     assert document["settings"]["clock"] == "simulated"
     for run in document["runs"]:
-        assert run["settings"]["profile"] == "h100-llama3-8b"
+        settings = run["settings"]
+        assert settings["profile"] == "h100-llama3-8b"
+        busy = settings["modelled_busy_s"]
+        assert abs(sum(settings["bound_s"].values()) - busy) < 1e-9 and busy > 0
+        assert settings["bound_steps"]["bandwidth"] == run["num_steps"]  # small batches: weight-bound
+        assert abs(settings["energy_j"] - 700.0 * busy) < 1e-6
         assert [r["output_len"] for r in run["requests"]] == [3 + i % 4 for i in range(10)]
     assert (tmp_path / "r.html").read_text().startswith("<!")
 

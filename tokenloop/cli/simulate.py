@@ -126,17 +126,35 @@ def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], 
     runs = []
     for policy in policies:
         engine_config = build_engine_config(profile.model, policy=policy, **options)
+        built: list[SimulatedEngine] = []
 
-        def make_engine(clock: Any, engine_config: Any = engine_config) -> SimulatedEngine:
-            return SimulatedEngine(engine_config, profile.cost_model, clock, vocab_size=vocab_size,
-                                   max_model_len=profile.max_model_len,
-                                   kv_bytes_per_token=profile.kv_bytes_per_token)
+        def make_engine(clock: Any, engine_config: Any = engine_config,
+                        built: list[SimulatedEngine] = built) -> SimulatedEngine:
+            built.append(SimulatedEngine(engine_config, profile.cost_model, clock, vocab_size=vocab_size,
+                                         max_model_len=profile.max_model_len,
+                                         kv_bytes_per_token=profile.kv_bytes_per_token))
+            return built[-1]
 
         run = replay_engine(trace, make_engine, label=policy, clock_mode=SIMULATED_CLOCK,
                             time_scale=time_scale, progress=progress)
-        run.settings["profile"] = profile.name
+        run.settings.update(profile=profile.name, **_run_costs(built[-1].runner, profile,
+                                                               sum(r.output_len for r in run.records)))
         runs.append(run)
     return PolicyBenchResult(runs, [summarize_run(run, slos_ms or None) for run in runs]), config
+
+
+def _run_costs(runner: Any, profile: Any, num_output_tokens: int) -> dict[str, Any]:
+    """Where a run's modelled time went (which side of the roofline bound its steps) and its energy."""
+    costs: dict[str, Any] = {
+        "modelled_busy_s": runner.modelled_ns / 1e9,
+        "bound_s": {side: ns / 1e9 for side, ns in runner.bound_ns.items()},
+        "bound_steps": dict(runner.bound_steps),
+    }
+    if profile.power_watts is not None:
+        joules = profile.power_watts * runner.modelled_ns / 1e9
+        costs["energy_j"] = joules
+        costs["energy_j_per_output_token"] = joules / num_output_tokens if num_output_tokens else None
+    return costs
 
 
 def _tokenized(trace: list[Any], model: str) -> list[Any]:

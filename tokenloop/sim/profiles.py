@@ -33,6 +33,7 @@ class Profile:
     kv_bytes_per_token: int
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # the KV pool the machine holds (None: the engine default)
+    power_watts: float | None = None  # board power while busy, for energy = power x modelled time
     source: str = ""
     sources: dict[str, str] = field(default_factory=dict)
     path: str = ""
@@ -49,6 +50,8 @@ class Profile:
                        block_size=int(data.get("block_size", 16)),
                        kv_cache_memory_bytes=(int(data["kv_cache_memory_bytes"])
                                               if data.get("kv_cache_memory_bytes") is not None else None),
+                       power_watts=(float(data["power_watts"]) if data.get("power_watts") is not None
+                                    else None),
                        source=str(data.get("source", "")), sources=dict(data.get("sources", {})), path=path)
         except KeyError as exc:
             raise ProfileError(f"{where}: missing field {exc.args[0]!r}") from None

@@ -52,6 +52,9 @@ class SimulatedRunner:
         self.eos_token_id = eos_token_id
         self.filler_token_id = filler_token_id
         self.modelled_ns = 0  # the sum of every step's modelled cost
+        # Modelled time and steps by the side of the roofline that bounds them.
+        self.bound_ns = {"bandwidth": 0, "compute": 0}
+        self.bound_steps = {"bandwidth": 0, "compute": 0}
 
     @property
     def last_weight_form(self) -> str:
@@ -65,9 +68,13 @@ class SimulatedRunner:
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """The step's logits (one-hot on the dictated token per sampling row), its modelled time passed."""
-        cost_ns = self.cost_model.step_ns(features_of_schedule(output))
+        features = features_of_schedule(output)
+        cost_ns = self.cost_model.step_ns(features)
         self.clock.advance_by(cost_ns)
         self.modelled_ns += cost_ns
+        bound = self.cost_model.critical_path(features)
+        self.bound_ns[bound] += cost_ns
+        self.bound_steps[bound] += 1
         indices = []
         tokens = []
         eos, filler = self.eos_token_id, self.filler_token_id
