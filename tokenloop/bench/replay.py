@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from tokenloop.tokenizer import Tokenizer
 
 CLOCK_MODES = ("virtual", "cost", "real")
+# The simulator's runner moves the virtual clock itself (tokenloop.sim): nothing else may add time.
+SIMULATED_CLOCK = "simulated"
 
 
 class VirtualClock:
@@ -243,11 +245,12 @@ def replay_engine(trace: Sequence[TraceRequest], make_engine: Callable[[Callable
                   label: str, clock_mode: str = "virtual", step_cost: StepCost | None = None,
                   time_scale: float = 1.0, progress: bool = True) -> ReplayRun:
     """Replay `trace` through a fresh engine built by `make_engine(clock)`; returns what happened."""
-    if clock_mode not in CLOCK_MODES:
+    if clock_mode not in (*CLOCK_MODES, SIMULATED_CLOCK):
         raise ValueError(f"unknown clock {clock_mode!r} (valid: {', '.join(CLOCK_MODES)})")
     if time_scale <= 0:
         raise ValueError("time_scale must be > 0")
     virtual = clock_mode != "real"
+    modelled = clock_mode in ("cost", SIMULATED_CLOCK)  # time passes only as the forward moves the clock
     vclock = VirtualClock()
     clock: Callable[[], int] = vclock if virtual else time.monotonic_ns
     engine = make_engine(clock)
@@ -301,7 +304,7 @@ def replay_engine(trace: Sequence[TraceRequest], make_engine: Callable[[Callable
             continue
         last_step.reset()
         if virtual:
-            with vclock.step(cost=clock_mode == "cost"):
+            with vclock.step(cost=modelled):
                 outputs = engine.step()
         else:
             outputs = engine.step()

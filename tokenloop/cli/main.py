@@ -1,4 +1,4 @@
-"""`tokenloop serve | generate | bench | trace`: the one command line, dispatched to a file per command.
+"""`tokenloop serve | generate | bench | trace | simulate`: the one command line, dispatched to a file per command.
 
     tokenloop serve --model smollm2-135m-instruct --port 8000 --policy fcfs --max-num-seqs 64
     tokenloop generate "The capital of France is" --max-tokens 32 --temperature 0
@@ -14,6 +14,7 @@ from tokenloop.bench.cli import add_bench_subparser
 from tokenloop.cli.generate import add_generate_subparser
 from tokenloop.cli.options import LOG_LEVELS
 from tokenloop.cli.serve import add_serve_subparser
+from tokenloop.cli.simulate import add_simulate_subparser
 from tokenloop.cli.trace import add_trace_subparser
 from tokenloop.errors import TokenloopError
 
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_subparser(commands)
     add_bench_subparser(commands)
     add_trace_subparser(commands)
+    add_simulate_subparser(commands)
     return parser
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -49,29 +50,49 @@ class _Pending:
     request: Request
 
 
+class ModelStandIn(Protocol):
+    """What stands in for the model when the core runs without one (the simulator, tokenloop.sim)."""
+
+    vocab_size: int
+    eos_token_id: int | None
+    max_model_len: int
+
+    def kv_bytes_per_block(self, block_size: int) -> int: ...
+
+    def make_runner(self, num_blocks: int, block_size: int) -> ModelRunner: ...
+
+
 class EngineCore:
     """Scheduler, KV cache, runner and sampler for one model: `add_request`, `finish_requests`, `step`."""
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
-                 clock: Clock = default_clock, observers: Sequence[Observes] = ()) -> None:
+                 clock: Clock = default_clock, observers: Sequence[Observes] = (),
+                 stand_in: ModelStandIn | None = None) -> None:
         self.config = config
         self.clock = clock
         self.observers = ObserverSet(list(observers))
-        checkpoint = checkpoint or load_checkpoint(config.model, keep_quantized=True)
-        self.checkpoint = checkpoint
-        model_config = checkpoint.config
-        self.vocab_size = model_config.vocab_size
-        self.eos_token_id = checkpoint.tokenizer.eos_token_id
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
-        self.dtype_choice = resolve_dtype(config.dtype, config.weight_dtype, config.device,
-                                          checkpoint.is_quantized, CpuFeatures.detect())
-        logger.info("dtype: %s", self.dtype_choice.describe())
-        self.model = build_model(model_config, checkpoint.weights, self.dtype_choice, config.device,
-                                 self.max_model_len)
         block_size = config.cache.block_size
+        if stand_in is None:
+            checkpoint = checkpoint or load_checkpoint(config.model, keep_quantized=True)
+            model_config = checkpoint.config
+            tokenizer = checkpoint.tokenizer
+            self.vocab_size, self.eos_token_id = model_config.vocab_size, tokenizer.eos_token_id
+            model_len = model_config.max_position_embeddings
+            self.dtype_choice = resolve_dtype(config.dtype, config.weight_dtype, config.device,
+                                              checkpoint.is_quantized, CpuFeatures.detect())
+            logger.info("dtype: %s", self.dtype_choice.describe())
+            self.model = build_model(model_config, checkpoint.weights, self.dtype_choice, config.device,
+                                     min(config.max_model_len or model_len, model_len))
+            kv_bytes_per_block = self.model.kv_bytes_per_block(block_size)
+        else:  # no model: the stand-in's runner (tokenloop.sim) produces the steps' logits and their time
+            tokenizer, self.dtype_choice, self.model = None, None, None
+            self.vocab_size, self.eos_token_id = stand_in.vocab_size, stand_in.eos_token_id
+            model_len = stand_in.max_model_len
+            kv_bytes_per_block = stand_in.kv_bytes_per_block(block_size)
+        self.checkpoint = checkpoint
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
         num_blocks = config.cache.num_blocks or max(
-            1, config.cache.kv_cache_memory_bytes // self.model.kv_bytes_per_block(block_size))
+            1, config.cache.kv_cache_memory_bytes // kv_bytes_per_block)
         if num_blocks * block_size < self.max_model_len:
             # A request may grow to max_model_len; a pool smaller than that could never hold it alone.
             logger.info("max_model_len %d exceeds the KV cache (%d tokens); lowering it to fit",
@@ -81,9 +102,10 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                        events=self.kv_events)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock)
-        self.runner = ModelRunner(self.model, num_blocks, block_size)
-        self.sampler = Sampler(model_config.vocab_size, seed=config.seed)
-        self.structured = StructuredOutputs(checkpoint.tokenizer, model_config.vocab_size)
+        self.runner = (ModelRunner(self.model, num_blocks, block_size) if stand_in is None
+                       else stand_in.make_runner(num_blocks, block_size))
+        self.sampler = Sampler(self.vocab_size, seed=config.seed)
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size)  # type: ignore[arg-type]
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._prompt_logprobs_sent: dict[str, int] = {}  # prompt positions already reported, per request
         self.num_steps = 0

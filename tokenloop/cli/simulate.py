@@ -1,0 +1,300 @@
+"""`tokenloop simulate`: replay a trace through the real scheduler on a virtual clock priced by a profile.
+
+    tokenloop simulate --trace trace.jsonl --profile h100-llama3-8b --policies fcfs,sjf --report sim.html
+    tokenloop simulate profiles
+    tokenloop simulate calibrate --out my-cpu.json     # fit this machine's profile from a real sweep
+
+The table, the HTML report and the `--save-result` JSON are `bench policies`' own, so a run here and a
+simulated run read side by side. Each request produces exactly its `max_tokens` tokens, as in `bench
+policies` (ignore_eos, stopped by length); the simulated runner makes the last of them EOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenloop.cli.options import positive_int
+from tokenloop.config import SCHEDULING_POLICIES
+from tokenloop.model.loader import DEFAULT_MODEL
+
+DEFAULT_PROFILE = "cpu-smollm2-135m"
+
+
+def add_simulate_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add `simulate` to a `parser.add_subparsers()` object; the command runs `args.func(args)`."""
+    parser = subparsers.add_parser("simulate", help="replay a trace on a simulated engine (a cost profile)",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", nargs="?", choices=("run", "profiles", "calibrate"), default="run",
+                        help="run (default): simulate --trace; profiles: list the shipped profiles; "
+                             "calibrate: fit a profile of this machine from a real sweep")
+    parser.add_argument("--trace", help="the JSONL trace to replay")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE,
+                        help="a shipped profile's name or a profile .json (default: %(default)s)")
+    parser.add_argument("--policies", default=",".join(SCHEDULING_POLICIES),
+                        help="comma-separated policies to compare (default: %(default)s)")
+    parser.add_argument("--max-requests", type=positive_int, help="replay only the first N requests")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply arrival times (< 1 compresses the trace: more load)")
+    engine = parser.add_argument_group("engine (fixed across policies)")
+    engine.add_argument("--num-kv-blocks", type=positive_int, help="KV-cache size in blocks (default: the "
+                        "profile's KV memory)")
+    engine.add_argument("--block-size", type=positive_int, help="default: the profile's")
+    engine.add_argument("--max-num-seqs", type=positive_int)
+    engine.add_argument("--max-num-batched-tokens", type=positive_int)
+    engine.add_argument("--max-model-len", type=positive_int)
+    engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--seed", type=int, default=0)
+    out = parser.add_argument_group("results")
+    out.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
+    out.add_argument("--report", metavar="FILE", help="write a self-contained HTML report")
+    out.add_argument("--save-result", metavar="FILE", help="write every run's numbers and timelines as JSON")
+    out.add_argument("--disable-tqdm", action="store_true")
+    calibrate = parser.add_argument_group("calibrate")
+    calibrate.add_argument("--model", default=DEFAULT_MODEL, help="model to calibrate (default: %(default)s)")
+    calibrate.add_argument("--batches", default="1,4,16", help="sweep batch sizes (default: %(default)s)")
+    calibrate.add_argument("--contexts", default="32,256", help="sweep prompt lengths (default: %(default)s)")
+    calibrate.add_argument("--decode-tokens", type=positive_int, default=12,
+                           help="tokens each sweep request generates (default: %(default)s)")
+    calibrate.add_argument("--out", help="calibrate: the profile file to write")
+    parser.set_defaults(func=run_simulate)
+    return parser
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    if args.action == "profiles":
+        return _list_profiles()
+    if args.action == "calibrate":
+        return _calibrate(args)
+    return _simulate(args)
+
+
+def _list_profiles() -> int:
+    from tokenloop.sim.profiles import load_profile, shipped_profiles
+
+    for name in shipped_profiles():
+        profile = load_profile(name)
+        print(f"{name:24} {profile.model:28} {profile.hardware}")
+    return 0
+
+
+# ---- simulate ------------------------------------------------------------------------------------
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    options: dict[str, Any] = {"seed": args.seed}
+    for name, key in (("num_kv_blocks", "num_blocks"), ("block_size", "block_size"),
+                      ("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
+                      ("max_model_len", "max_model_len")):
+        if getattr(args, name) is not None:
+            options[key] = getattr(args, name)
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    return options
+
+
+def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], options: dict[str, Any], *,
+                   time_scale: float = 1.0, slos_ms: dict[str, float] | None = None,
+                   progress: bool = False) -> tuple[Any, Any]:
+    """One simulated replay per policy: (PolicyBenchResult, PolicyBenchConfig), as `bench policies` makes."""
+    from tokenloop.bench.policies import PolicyBenchConfig, PolicyBenchResult
+    from tokenloop.bench.replay import SIMULATED_CLOCK, replay_engine
+    from tokenloop.bench.report import summarize_run
+    from tokenloop.llm import build_engine_config
+    from tokenloop.sim.engine import SimulatedEngine
+
+    from tokenloop.sim.profiles import ProfileError
+
+    if options.get("block_size", profile.block_size) != profile.block_size:
+        # Step costs were measured (or derived) with the profile's blocks; another size is another engine.
+        raise ProfileError(f"profile {profile.name!r} is for block size {profile.block_size}, not "
+                           f"{options['block_size']}")
+    options = {"block_size": profile.block_size, **options}
+    if "num_blocks" not in options and profile.kv_cache_memory_bytes:
+        options["kv_cache_memory_bytes"] = profile.kv_cache_memory_bytes
+    # The top two ids are the simulator's filler and EOS tokens: above every prompt id.
+    vocab_size = max(max(r.prompt_tokens) for r in trace) + 3
+    config = PolicyBenchConfig(policies=tuple(policies), model=profile.model, engine_options=options,
+                               clock=SIMULATED_CLOCK, time_scale=time_scale, slos_ms=slos_ms or {},
+                               progress=progress, warmup=False)
+    runs = []
+    for policy in policies:
+        engine_config = build_engine_config(profile.model, policy=policy, **options)
+        built: list[SimulatedEngine] = []
+
+        def make_engine(clock: Any, engine_config: Any = engine_config,
+                        built: list[SimulatedEngine] = built) -> SimulatedEngine:
+            built.append(SimulatedEngine(engine_config, profile.cost_model, clock, vocab_size=vocab_size,
+                                         max_model_len=profile.max_model_len,
+                                         kv_bytes_per_token=profile.kv_bytes_per_token))
+            return built[-1]
+
+        run = replay_engine(trace, make_engine, label=policy, clock_mode=SIMULATED_CLOCK,
+                            time_scale=time_scale, progress=progress)
+        run.settings.update(profile=profile.name, **_run_costs(built[-1].runner, profile,
+                                                               sum(r.output_len for r in run.records)))
+        runs.append(run)
+    return PolicyBenchResult(runs, [summarize_run(run, slos_ms or None) for run in runs]), config
+
+
+def _run_costs(runner: Any, profile: Any, num_output_tokens: int) -> dict[str, Any]:
+    """Where a run's modelled time went (which side of the roofline bound its steps) and its energy."""
+    costs: dict[str, Any] = {
+        "modelled_busy_s": runner.modelled_ns / 1e9,
+        "bound_s": {side: ns / 1e9 for side, ns in runner.bound_ns.items()},
+        "bound_steps": dict(runner.bound_steps),
+    }
+    if profile.power_watts is not None:
+        joules = profile.power_watts * runner.modelled_ns / 1e9
+        costs["energy_j"] = joules
+        costs["energy_j_per_output_token"] = joules / num_output_tokens if num_output_tokens else None
+    return costs
+
+
+def _tokenized(trace: list[Any], model: str) -> list[Any]:
+    """Text prompts as token ids, by the profile's model's tokenizer (the simulator sees only ids)."""
+    if all(r.prompt_tokens is not None for r in trace):
+        return trace
+    from tokenloop.bench.datasets import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    return [r if r.prompt_tokens is not None else
+            dataclasses.replace(r, prompt=None, prompt_tokens=tuple(tokenizer.encode(r.prompt or "")))
+            for r in trace]
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from tokenloop.bench.metrics import parse_goodput
+    from tokenloop.bench.policies import parse_policies, save_outputs
+    from tokenloop.bench.trace import load_trace
+    from tokenloop.sim.profiles import load_profile
+
+    if not args.trace:
+        print("error: simulate needs --trace (or the action `profiles` / `calibrate`)", file=sys.stderr)
+        return 2
+    try:
+        policies = parse_policies(args.policies)
+        slos = parse_goodput(args.goodput)
+        if args.time_scale <= 0:
+            raise ValueError("--time-scale must be > 0")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    profile = load_profile(args.profile)  # ProfileError (a TokenloopError): main prints it, exit 2
+    trace = load_trace(args.trace)  # TraceFormatError names the file, line and field
+    if args.max_requests:
+        trace = trace[:args.max_requests]
+    trace = _tokenized(trace, profile.model)
+    began = time.perf_counter()
+    result, config = simulate_trace(trace, profile, policies, _engine_options(args),
+                                    time_scale=args.time_scale, slos_ms=slos, progress=not args.disable_tqdm)
+    print(f"simulated {len(trace)} requests x {len(policies)} policies on profile {profile.name} "
+          f"({profile.hardware}) in {time.perf_counter() - began:.1f} s")
+    print(result.table(with_goodput=bool(slos)))
+    save_outputs(result, config, trace_path=args.trace, report_path=args.report, result_path=args.save_result)
+    if args.report:
+        print(f"wrote the report to {args.report}")
+    if args.save_result:
+        print(f"saved the results to {args.save_result}")
+    return 0
+
+
+# ---- calibrate -----------------------------------------------------------------------------------
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"--{name} must be a comma-separated list of ints >= 1, got {text!r}")
+    return values
+
+
+def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[int], decode_tokens: int,
+                        seed: int = 0) -> tuple[list[Any], Any]:
+    """Run the real engine over batch x context (prefix caching off) and keep every step's record."""
+    from tokenloop.engine import LLMEngine
+    from tokenloop.llm import build_engine_config
+    from tokenloop.observe.records import EngineObserver, StepRecord
+    from tokenloop.request import SamplingParams
+
+    records: list[StepRecord] = []
+
+    class Keep(EngineObserver):
+        def on_step(self, record: StepRecord) -> None:
+            records.append(record)
+
+    config = build_engine_config(model, enable_prefix_caching=False, max_num_seqs=max(batches),
+                                 max_num_batched_tokens=max(512, max(contexts)), seed=seed)
+    engine = LLMEngine(config, observers=[Keep()])
+    rng = random.Random(seed)
+    high = min(1000, engine.core.vocab_size)  # ids any vocabulary holds; no special meaning to them
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    engine.add_request("warmup", None, params, prompt_token_ids=[rng.randrange(10, high) for _ in range(16)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    records.clear()  # the first steps pay one-time costs
+    for batch in batches:
+        for context in contexts:
+            for i in range(batch):
+                ids = [rng.randrange(10, high) for _ in range(context)]
+                engine.add_request(f"b{batch}-c{context}-{i}", None, params, prompt_token_ids=ids)
+            while engine.has_unfinished_requests():
+                engine.step()
+    return records, engine
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from tokenloop.sim.cost import fit
+
+    if not args.out:
+        print("error: calibrate needs --out FILE", file=sys.stderr)
+        return 2
+    try:
+        batches, contexts = _int_list(args.batches, "batches"), _int_list(args.contexts, "contexts")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    records, engine = calibration_records(args.model, batches, contexts, args.decode_tokens, args.seed)
+    report = fit(records)
+    kv_bytes_per_token = engine.model.kv_bytes_per_block(1)
+    command = " ".join(["tokenloop", "simulate", "calibrate", "--model", args.model, "--batches",
+                        args.batches, "--contexts", args.contexts, "--decode-tokens", str(args.decode_tokens),
+                        "--out", args.out])
+    profile = {
+        "name": Path(args.out).stem, "model": args.model,
+        "hardware": f"this machine ({_cpu_name()}), {engine.dtype_choice.describe()}",
+        "max_model_len": engine.max_model_len, "kv_bytes_per_token": kv_bytes_per_token,
+        "block_size": engine.kv_cache.block_size,
+        "cost": {"combine": "sum", "coefficients": report.model.as_dict()},
+        "source": command,
+        "sources": {"coefficients": f"NNLS fit (relative errors) of step durations (end - start) over "
+                                    f"{report.num_steps} of {report.num_records} real steps, the others "
+                                    f"trimmed as outliers; median |relative error| "
+                                    f"{report.median_abs_rel_error:.3f}, mean step "
+                                    f"{report.mean_step_s * 1e3:.1f} ms; measured "
+                                    f"{time.strftime('%Y-%m-%d', time.gmtime())}",
+                    "kv_bytes_per_token": "the loaded model's KV layout (layers x KV heads x head dim x "
+                                          "dtype)"},
+    }
+    Path(args.out).write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
+    print(f"fitted {report.num_steps} steps: {report.model.as_dict()}; median |rel err| "
+          f"{report.median_abs_rel_error:.3f}; wrote {args.out}")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"

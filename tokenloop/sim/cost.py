@@ -1,0 +1,216 @@
+"""The step cost model: one step's duration from physical terms, fitted by non-negative least squares.
+
+A step's terms are counted from what it computes (a `SchedulerOutput` before the step runs, or the
+`StepRecord` a real engine reported after it):
+
+- `step`: 1 per step. Reading every weight once is the same whatever the batch, so it lands here
+  together with the fixed per-step overhead (launches, the loop's own Python).
+- `tokens`: batched tokens; the dense projections do 2 x params FLOPs per token.
+- `kv_read_tokens`: the sum over rows of the context attended to (KV bytes read scale with it).
+- `prefill_attn`: the sum over multi-token chunks of q x context (the attention's quadratic work).
+- `sampled_rows`: rows that reach the LM head (only sampling rows do).
+- `seqs`: scheduled sequences (per-row bookkeeping: block tables, sampling parameters).
+
+Coefficients are seconds per unit and never negative, so a fit cannot explain time away with a negative
+term (the ill-conditioning of free least squares on collinear step features). `combine="sum"` adds the
+terms (what a fit produces); `combine="max"` is a roofline: the step lasts as long as the slower of its
+bandwidth terms (`step`, `kv_read_tokens`) and its compute terms (`tokens`, `prefill_attn`,
+`sampled_rows`), plus the per-sequence and fixed overheads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from tokenloop.core.scheduler import SchedulerOutput
+from tokenloop.observe.records import StepRecord
+
+TERMS = ("step", "tokens", "kv_read_tokens", "prefill_attn", "sampled_rows", "seqs")
+BANDWIDTH_TERMS = ("step", "kv_read_tokens")
+COMPUTE_TERMS = ("tokens", "prefill_attn", "sampled_rows")
+COMBINES = ("sum", "max")
+
+
+@dataclass(frozen=True, slots=True)
+class StepFeatures:
+    """What one step computes, in the cost model's units."""
+
+    step: float = 1.0
+    tokens: float = 0.0
+    kv_read_tokens: float = 0.0
+    prefill_attn: float = 0.0
+    sampled_rows: float = 0.0
+    seqs: float = 0.0
+
+    def vector(self) -> np.ndarray:
+        return np.array([getattr(self, name) for name in TERMS], dtype=np.float64)
+
+
+def _features(chunks: Iterable[tuple[int, int, bool]]) -> StepFeatures:
+    """From (first position, tokens, samples) per row."""
+    tokens = kv = attn = sampled = seqs = 0
+    for start, q, samples in chunks:
+        context = start + q
+        tokens += q
+        kv += context
+        if q > 1:
+            attn += q * context
+        sampled += samples
+        seqs += 1
+    return StepFeatures(1.0, tokens, kv, attn, sampled, seqs)
+
+
+def features_of_schedule(schedule: SchedulerOutput) -> StepFeatures:
+    """The terms of a step about to run (the simulator prices it before it happens)."""
+    return _features((item.num_computed_tokens, item.num_tokens, item.samples) for item in schedule.scheduled)
+
+
+def features_of_record(record: StepRecord) -> StepFeatures:
+    """The terms of a step a real engine ran."""
+    return _features((c.start, c.num_tokens, c.samples) for c in record.scheduled)
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Seconds per unit of each term (all >= 0); see the module docstring for `combine`."""
+
+    step: float = 0.0
+    tokens: float = 0.0
+    kv_read_tokens: float = 0.0
+    prefill_attn: float = 0.0
+    sampled_rows: float = 0.0
+    seqs: float = 0.0
+    combine: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.combine not in COMBINES:
+            raise ValueError(f"unknown combine {self.combine!r} (valid: {', '.join(COMBINES)})")
+        for name in TERMS:
+            value = getattr(self, name)
+            if not np.isfinite(value) or value < 0:
+                raise ValueError(f"cost coefficient {name!r} must be finite and >= 0, got {value!r}")
+        if self.coefficients().sum() <= 0:
+            raise ValueError("a cost model needs at least one positive coefficient")
+
+    def coefficients(self) -> np.ndarray:
+        return np.array([getattr(self, name) for name in TERMS], dtype=np.float64)
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in TERMS}
+
+    def _parts(self, f: StepFeatures) -> tuple[float, float, float]:
+        """(bandwidth seconds, compute seconds, overhead seconds) of one step."""
+        bandwidth = self.step * f.step + self.kv_read_tokens * f.kv_read_tokens
+        compute = (self.tokens * f.tokens + self.prefill_attn * f.prefill_attn
+                   + self.sampled_rows * f.sampled_rows)
+        return bandwidth, compute, self.seqs * f.seqs
+
+    def step_seconds(self, features: StepFeatures) -> float:
+        bandwidth, compute, overhead = self._parts(features)
+        if self.combine == "max":
+            return max(bandwidth, compute) + overhead
+        return bandwidth + compute + overhead
+
+    def step_ns(self, features: StepFeatures) -> int:
+        # At least 1 ns: time must move forward with every step, or a replay could spin at one instant.
+        return max(1, round(self.step_seconds(features) * 1e9))
+
+    def critical_path(self, features: StepFeatures) -> str:
+        """'bandwidth' or 'compute': which side of the roofline bounds this step."""
+        bandwidth, compute, _ = self._parts(features)
+        return "bandwidth" if bandwidth >= compute else "compute"
+
+    @classmethod
+    def from_dict(cls, values: dict[str, float], combine: str = "sum") -> StepCostModel:
+        names = {f.name for f in fields(cls)} - {"combine"}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"unknown cost term {unknown[0]!r} (valid: {', '.join(TERMS)})")
+        return cls(**{k: float(v) for k, v in values.items()}, combine=combine)
+
+
+# ---- fitting -------------------------------------------------------------------------------------
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None, tol: float = 1e-10) -> np.ndarray:
+    """argmin ||a x - b|| subject to x >= 0 (Lawson and Hanson's active-set method).
+
+    Columns are scaled to unit norm first, so terms whose units differ by orders of magnitude (steps vs
+    q x context) are weighed alike when the method picks which to free.
+    """
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    n = a.shape[1]
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    a = a / norms
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    max_iter = max_iter or 3 * n + 30
+    for _ in range(max_iter):
+        gradient = a.T @ (b - a @ x)
+        candidates = ~passive & (gradient > tol * max(1.0, np.abs(gradient).max()))
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, gradient, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            # Step back towards x until the first passive coefficient hits zero, then drop it.
+            blocking = passive & (z <= 0)
+            alpha = np.min(x[blocking] / (x[blocking] - z[blocking] + 1e-300))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x / norms
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """A fitted model and how well it explains the records it was fitted on."""
+
+    model: StepCostModel
+    num_steps: int  # fitted on (after trimming)
+    num_records: int  # steps offered
+    median_abs_rel_error: float
+    mean_step_s: float
+
+
+def fit(records: Sequence[StepRecord], *, terms: Sequence[str] = TERMS, duration: str = "step",
+        relative: bool = True, trim: float | None = 3.0, rounds: int = 3) -> FitReport:
+    """Fit a `combine="sum"` model to real steps: each record's features against its duration.
+
+    `duration`: "step" (end - start: the whole loop body, the time the next step waits for) or "forward"
+    (the model forward alone). `relative`: minimise relative errors (each row divided by its duration),
+    so a few multi-second prefill steps do not outweigh the many short decode steps. `trim`: refit
+    without the steps whose relative error exceeds `trim` x the median (up to `rounds` times, keeping at
+    least half): on a shared machine another process's burst only ever adds time to a step, and such
+    steps say nothing about the engine. Terms left out of `terms` stay 0.
+    """
+    unknown = [t for t in terms if t not in TERMS]
+    if unknown:
+        raise ValueError(f"unknown cost term {unknown[0]!r} (valid: {', '.join(TERMS)})")
+    steps = [r for r in records if r.scheduled]
+    if len(steps) < len(terms):
+        raise ValueError(f"{len(steps)} steps cannot fit {len(terms)} terms")
+    columns = [TERMS.index(t) for t in terms]
+    a = np.stack([features_of_record(r).vector()[columns] for r in steps])
+    b = np.array([(r.end_ns - r.start_ns if duration == "step" else r.forward_ns) / 1e9 for r in steps])
+    weights = 1.0 / np.maximum(b, 1e-9) if relative else np.ones_like(b)
+    keep = np.ones(len(b), dtype=bool)
+    for round_ in range(rounds if trim else 1):
+        x = nnls(a[keep] * weights[keep, None], b[keep] * weights[keep])
+        rel = np.abs(a @ x - b) / np.maximum(b, 1e-12)
+        if trim is None or round_ == rounds - 1:
+            break
+        bound = max(trim * float(np.median(rel[keep])), float(np.quantile(rel, 0.5)))
+        if (rel <= bound).sum() < len(terms) or (rel <= bound).all():
+            break
+        keep = rel <= bound
+    model = StepCostModel(**{t: float(v) for t, v in zip(terms, x)})
+    return FitReport(model, int(keep.sum()), len(b), float(np.median(rel[keep])), float(b[keep].mean()))
