@@ -269,13 +269,7 @@ def _add_policies_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=_positive_int, help="server mode: most requests in flight")
     engine = parser.add_argument_group("engine (fixed across policies)")
     engine.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or HF checkpoint directory")
-    engine.add_argument("--num-kv-blocks", type=_positive_int, help="KV-cache size in blocks")
-    engine.add_argument("--block-size", type=_positive_int)
-    engine.add_argument("--max-num-seqs", type=_positive_int)
-    engine.add_argument("--max-num-batched-tokens", type=_positive_int)
-    engine.add_argument("--max-model-len", type=_positive_int)
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--seed", type=int, default=0)
+    add_replay_engine_args(engine)
     replay = parser.add_argument_group("replay")
     replay.add_argument("--clock", choices=CLOCK_MODES, default="virtual",
                         help="virtual: time advances by each step's measured duration, idle gaps skipped "
@@ -286,6 +280,36 @@ def _add_policies_args(parser: argparse.ArgumentParser) -> None:
                         help="multiply arrival times (< 1 compresses the trace: more load)")
     replay.add_argument("--baseline", choices=BASELINES, help="also replay through HF transformers static batching")
     replay.add_argument("--hf-batch-size", type=_positive_int, help="the baseline's batch (default: max-num-seqs)")
+    add_result_args(parser)
+
+
+def add_replay_engine_args(group: Any, kv_blocks_help: str = "KV-cache size in blocks",
+                           block_size_help: str | None = None) -> None:
+    """The engine options a replay holds fixed across policies (`bench policies`, `simulate`)."""
+    group.add_argument("--num-kv-blocks", type=_positive_int, help=kv_blocks_help)
+    group.add_argument("--block-size", type=_positive_int, help=block_size_help)
+    group.add_argument("--max-num-seqs", type=_positive_int)
+    group.add_argument("--max-num-batched-tokens", type=_positive_int)
+    group.add_argument("--max-model-len", type=_positive_int)
+    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def replay_engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options of `add_replay_engine_args`, as `build_engine_config` keywords."""
+    options: dict[str, Any] = {"seed": args.seed}
+    for name, key in (("num_kv_blocks", "num_blocks"), ("block_size", "block_size"),
+                      ("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
+                      ("max_model_len", "max_model_len")):
+        if getattr(args, name) is not None:
+            options[key] = getattr(args, name)
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
+    return options
+
+
+def add_result_args(parser: argparse.ArgumentParser) -> None:
+    """Where a policy comparison's results go (`bench policies`, `simulate`)."""
     out = parser.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
     out.add_argument("--report", metavar="FILE", help="write a self-contained HTML report")
@@ -302,14 +326,7 @@ def run_policies_command(args: argparse.Namespace) -> int:
 
     try:
         policies = parse_policies(args.policies)
-        options: dict[str, Any] = {"seed": args.seed}
-        for name, key in (("num_kv_blocks", "num_blocks"), ("block_size", "block_size"),
-                          ("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
-                          ("max_model_len", "max_model_len")):
-            if getattr(args, name) is not None:
-                options[key] = getattr(args, name)
-        if args.no_prefix_caching:
-            options["enable_prefix_caching"] = False
+        options = replay_engine_options(args)
         config = PolicyBenchConfig(
             policies=policies, model=args.model, engine_options=options, clock=args.clock,
             step_cost=parse_step_cost(args.step_cost_ms), time_scale=args.time_scale, baseline=args.baseline,

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenloop.bench.cli import add_replay_engine_args, add_result_args, replay_engine_options
 from tokenloop.cli.options import positive_int
 from tokenloop.config import SCHEDULING_POLICIES
 from tokenloop.model.loader import DEFAULT_MODEL
@@ -44,19 +45,9 @@ def add_simulate_subparser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiply arrival times (< 1 compresses the trace: more load)")
     engine = parser.add_argument_group("engine (fixed across policies)")
-    engine.add_argument("--num-kv-blocks", type=positive_int, help="KV-cache size in blocks (default: the "
-                        "profile's KV memory)")
-    engine.add_argument("--block-size", type=positive_int, help="default: the profile's")
-    engine.add_argument("--max-num-seqs", type=positive_int)
-    engine.add_argument("--max-num-batched-tokens", type=positive_int)
-    engine.add_argument("--max-model-len", type=positive_int)
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--seed", type=int, default=0)
-    out = parser.add_argument_group("results")
-    out.add_argument("--goodput", nargs="+", metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
-    out.add_argument("--report", metavar="FILE", help="write a self-contained HTML report")
-    out.add_argument("--save-result", metavar="FILE", help="write every run's numbers and timelines as JSON")
-    out.add_argument("--disable-tqdm", action="store_true")
+    add_replay_engine_args(engine, "KV-cache size in blocks (default: the profile's KV memory)",
+                           "default: the profile's")
+    add_result_args(parser)
     calibrate = parser.add_argument_group("calibrate")
     calibrate.add_argument("--model", default=DEFAULT_MODEL, help="model to calibrate (default: %(default)s)")
     calibrate.add_argument("--batches", default="1,4,16", help="sweep batch sizes (default: %(default)s)")
@@ -86,18 +77,6 @@ def _list_profiles() -> int:
 
 
 # ---- simulate ------------------------------------------------------------------------------------
-
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    options: dict[str, Any] = {"seed": args.seed}
-    for name, key in (("num_kv_blocks", "num_blocks"), ("block_size", "block_size"),
-                      ("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
-                      ("max_model_len", "max_model_len")):
-        if getattr(args, name) is not None:
-            options[key] = getattr(args, name)
-    if args.no_prefix_caching:
-        options["enable_prefix_caching"] = False
-    return options
-
 
 def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], options: dict[str, Any], *,
                    time_scale: float = 1.0, slos_ms: dict[str, float] | None = None,
@@ -192,7 +171,7 @@ def _simulate(args: argparse.Namespace) -> int:
         trace = trace[:args.max_requests]
     trace = _tokenized(trace, profile.model)
     began = time.perf_counter()
-    result, config = simulate_trace(trace, profile, policies, _engine_options(args),
+    result, config = simulate_trace(trace, profile, policies, replay_engine_options(args),
                                     time_scale=args.time_scale, slos_ms=slos, progress=not args.disable_tqdm)
     print(f"simulated {len(trace)} requests x {len(policies)} policies on profile {profile.name} "
           f"({profile.hardware}) in {time.perf_counter() - began:.1f} s")
