@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 
 from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
+from tokenloop.errors import InvalidRequestError
 from tokenloop.request import NS_PER_S, RequestTimes, SamplingParams
 from tokenloop.sampler import TokenLogprobs
 from tokenloop.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -162,8 +163,6 @@ class OutputProcessor:
         If submitting fails, call `forget(request_id)`.
         """
         if request_id in self._groups:
-            from tokenloop.errors import InvalidRequestError
-
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         samples: list[_Sample] = []
         core_requests: list[CoreRequest] = []

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from tests.serving.conftest import metric_value
-from tokenloop.core.scheduler import SchedulerStats
 from tokenloop.engine import RequestMetrics
 from tokenloop.metrics import EngineMetrics
 from tokenloop.observe.records import StepGauges, StepRecord
 
 
-def _stats(queries: int, hits: int, preemptions: int, running: int = 2) -> SchedulerStats:
-    return SchedulerStats(num_running=running, num_waiting=1, num_preempted_waiting=1, num_preemptions=preemptions,
-                          kv_usage=0.25, num_free_blocks=3, prefix_cache_queries=queries, prefix_cache_hits=hits,
-                          evictions=0)
+def _gauges(queries: int, hits: int, preemptions: int, running: int = 2) -> StepGauges:
+    """One waiting (preempted) request, a quarter of 8 blocks referenced."""
+    return StepGauges(num_running=running, num_waiting=1, num_preempted_waiting=1, num_blocks=8, block_size=4,
+                      num_free_blocks=6, num_cached_free_blocks=0, prefix_cache_queries=queries,
+                      prefix_cache_hits=hits, evictions=0, num_preemptions=preemptions)
 
 
 def _step(num_batched_tokens: int, sampled: int, gauges: StepGauges | None = None) -> StepRecord:
@@ -25,15 +25,15 @@ def _step(num_batched_tokens: int, sampled: int, gauges: StepGauges | None = Non
 
 def test_each_instance_has_its_own_registry() -> None:
     a, b = EngineMetrics("m"), EngineMetrics("m")  # would raise "Duplicated timeseries" on a shared registry
-    a.observe_stats(_stats(10, 4, 1))
+    a.on_step(_step(0, 0, _gauges(10, 4, 1)))
     assert metric_value(a.render().decode(), "tokenloop:prefix_cache_queries_total") == 10
     assert metric_value(b.render().decode(), "tokenloop:prefix_cache_queries_total") == 0
 
 
 def test_stats_become_gauges_and_counter_increments() -> None:
     m = EngineMetrics("m")
-    m.observe_stats(_stats(10, 4, 1))
-    m.observe_stats(_stats(25, 9, 3, running=0))
+    m.on_step(_step(0, 0, _gauges(10, 4, 1)))
+    m.on_step(_step(0, 0, _gauges(25, 9, 3, running=0)))
     text = m.render().decode()
     assert metric_value(text, "tokenloop:prefix_cache_queries_total", model_name="m") == 25
     assert metric_value(text, "tokenloop:prefix_cache_hits_total") == 9

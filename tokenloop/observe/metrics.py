@@ -32,7 +32,6 @@ from tokenloop.observe.live import LiveState
 from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepGauges, StepRecord
 
 if TYPE_CHECKING:  # annotations only: observers depend on records, not on the engine's rooms
-    from tokenloop.core.scheduler import SchedulerStats
     from tokenloop.outputs import RequestMetrics
 
 PREFIX = "tokenloop:"
@@ -146,11 +145,6 @@ class EngineMetrics:
     def _observe_gauges(self, g: StepGauges) -> None:
         self._set(g.num_running, g.num_waiting, g.num_preempted_waiting, g.kv_usage,
                   _Cumulative(g.prefix_cache_queries, g.prefix_cache_hits, g.num_preemptions))
-
-    def observe_stats(self, stats: SchedulerStats) -> None:
-        """Refresh the gauges and advance the counters from a scheduler snapshot (no records at hand)."""
-        self._set(stats.num_running, stats.num_waiting, stats.num_preempted_waiting, stats.kv_usage,
-                  _Cumulative(stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions))
 
     def _set(self, running: int, waiting: int, preempted: int, kv_usage: float, now: _Cumulative) -> None:
         self._running.set(running)

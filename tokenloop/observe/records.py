@@ -160,7 +160,6 @@ class ArrivalRecord:
     num_waiting: int  # the queue's length once it joined
 
 
-@dataclass
 class EngineObserver:
     """Receives the engine's records; every method is optional (the defaults ignore the record).
 
