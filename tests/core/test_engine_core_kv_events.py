@@ -53,7 +53,7 @@ def test_step_batches_mirror_the_index_through_evictions_and_aborts(tiny: Checkp
     assert resynced.hashes == _index(core)
 
 
-def test_events_off_cost_nothing(tiny: Checkpoint) -> None:
+def test_events_off_publish_nothing(tiny: Checkpoint) -> None:
     config = build_engine_config(str(tiny.path), block_size=4, num_blocks=24)
     core = EngineCore(config, checkpoint=tiny)
     core.add_requests([CoreRequest("a", tiny.tokenizer.encode("hello world"), SamplingParams(max_tokens=2), 0)])
