@@ -27,7 +27,7 @@ def release_infos(releases: Sequence[tuple[Request, BlockRelease, int, int]]) ->
 
 def gauges(scheduler: Scheduler, kv: KVCacheManager) -> StepGauges:
     return StepGauges(
-        scheduler.num_running, scheduler.num_waiting, scheduler.stats().num_preempted_waiting, kv.num_blocks,
+        scheduler.num_running, scheduler.num_waiting, scheduler.num_preempted_waiting, kv.num_blocks,
         kv.block_size, kv.num_free_blocks, kv.pool.num_cached_free, kv.prefix_cache_queries,
         kv.prefix_cache_hits, kv.evictions, scheduler.num_preemptions)
 

@@ -122,6 +122,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_preempted_waiting(self) -> int:
+        return self._num_preempted_waiting
+
     def running_requests(self) -> list[Request]:
         return list(self._running.values())
 
