@@ -223,7 +223,8 @@ def test_predicted_ttft_counts_steps_of_the_budget_beside_the_decodes() -> None:
     load = _load(0, running=12, queued=100)
     # 100 queued + 50 own = 150 tokens; budget 64 - 12 decode rows = 52 per step -> 3 steps.
     expected = 150 * 0.001 + 3 * (0.010 + 12 * 0.0005)
-    assert predicted_ttft_s(load, 60, 10, 64) == pytest.approx(expected)
+    assert predicted_ttft_s(load, 60, 10, RouterConfig(block_size=BS, max_num_batched_tokens=64)) == \
+        pytest.approx(expected)
 
 
 def test_one_hot_prefix_spreads_once_the_holders_queue_costs_more_than_recomputing() -> None:

@@ -70,7 +70,8 @@ def _replay(trace: Sequence[Any], profile: Any, engine_config: Any, router_name:
     tracker = LoadTracker(num_replicas, block_size, seed_costs=StepCosts.from_cost_model(profile.cost_model),
                           clock=cluster.now_ns)
     router = make_router(router_name, RouterConfig(
-        block_size=block_size, max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens))
+        block_size=block_size, max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens,
+        max_num_seqs=engine_config.scheduler.max_num_seqs))
     dispatcher = Dispatcher(router, tracker)
     decisions: dict[str, RouteDecision] = {}
 

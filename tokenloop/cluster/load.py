@@ -118,6 +118,13 @@ class ReplicaLoad:
     staleness_s: float  # how long frames came without KV events (inf: a gap, not yet resynced)
     mirror_trusted: bool
     num_blocks: int | None = None
+    # Admission: a request waits while its blocks or a sequence slot are not free; they free as requests
+    # finish. None where the replica has not reported yet (no capacity limit is assumed then).
+    num_free_blocks: int | None = None  # unreferenced blocks at the last stats (cached ones included)
+    unadmitted: int = 0  # requests routed there whose prefill has not started
+    unadmitted_blocks: int = 0  # the blocks those need
+    finish_rate_per_s: float | None = None  # requests finished per second lately
+    blocks_per_finish: float | None = None  # blocks a finishing request frees, on average
     inflight: Mapping[int, int] = field(default_factory=dict)  # block hashes of requests still prefilling
     recent: Mapping[int, None] = field(default_factory=dict)  # block hashes routed there lately (bounded)
 
@@ -150,6 +157,9 @@ class _Flight:
     num_prompt_tokens: int
     remaining_prefill: int
     block_hashes: tuple[int, ...]
+    blocks_needed: int  # new blocks its admission takes (its uncached prompt)
+    admitted: bool = False
+    num_output_tokens: int = 0
 
 
 class _Replica:
@@ -163,6 +173,11 @@ class _Replica:
         self.routed_since_stats = 0
         self.flights: dict[str, _Flight] = {}
         self.queued_prefill = 0  # sum of the flights' remaining_prefill, kept as they change
+        self.num_free_blocks: int | None = None
+        self.unadmitted = 0
+        self.unadmitted_blocks = 0
+        self.finishes: deque[int] = deque(maxlen=32)  # instants (ns) of the last finishes
+        self.blocks_per_finish: float | None = None  # EWMA
         self.inflight: Counter[int] = Counter()
         self.recent: OrderedDict[int, None] = OrderedDict()
         self.mirror = KVIndexMirror()
@@ -174,6 +189,31 @@ class _Replica:
         self.flights[request_id] = flight
         self.queued_prefill += flight.remaining_prefill
         self.inflight.update(flight.block_hashes)
+        self.unadmitted += 1
+        self.unadmitted_blocks += flight.blocks_needed
+
+    def admit(self, flight: _Flight) -> None:
+        if not flight.admitted:
+            flight.admitted = True
+            self.unadmitted -= 1
+            self.unadmitted_blocks -= flight.blocks_needed
+
+    def finish(self, request_id: str, now_ns: int, block_size: int) -> None:
+        flight = self.flights.get(request_id)
+        if flight is None:
+            return
+        self.finishes.append(now_ns)
+        freed = -(-(flight.num_prompt_tokens + flight.num_output_tokens) // block_size)
+        self.blocks_per_finish = freed if self.blocks_per_finish is None else \
+            0.9 * self.blocks_per_finish + 0.1 * freed
+        self.drop_flight(request_id)
+
+    def finish_rate_per_s(self, now_ns: int) -> float | None:
+        """Finishes per second over the recent ones, up to now (a replica that stopped finishing decays)."""
+        if len(self.finishes) < 2:
+            return None
+        span = max(now_ns, self.finishes[-1]) - self.finishes[0]
+        return (len(self.finishes) - 1) / (span / 1e9) if span > 0 else None
 
     def set_remaining(self, flight: _Flight, remaining: int) -> None:
         self.queued_prefill += remaining - flight.remaining_prefill
@@ -182,6 +222,7 @@ class _Replica:
     def drop_flight(self, request_id: str) -> None:
         flight = self.flights.pop(request_id, None)
         if flight is not None:
+            self.admit(flight)
             self.set_remaining(flight, 0)
             self._release_inflight(flight)
 
@@ -237,8 +278,8 @@ class LoadTracker:
         state = self._replica(replica)
         state.routed_since_stats += 1
         hashes = tuple(block_hashes)
-        state.add_flight(request_id, _Flight(num_prompt_tokens, max(0, num_prompt_tokens - num_cached_tokens),
-                                             hashes))
+        uncached = max(0, num_prompt_tokens - num_cached_tokens)
+        state.add_flight(request_id, _Flight(num_prompt_tokens, uncached, hashes, -(-uncached // self.block_size)))
         recent = state.recent
         for block_hash in hashes:
             recent[block_hash] = None
@@ -262,18 +303,22 @@ class LoadTracker:
         for out in outputs.outputs:
             flight = state.flights.get(out.request_id)
             if flight is not None and out.new_token_ids:
+                flight.num_output_tokens += len(out.new_token_ids)
                 state.end_prefill(flight)  # a sampled token: its prompt is computed
             if out.finish_reason is not None:
-                state.drop_flight(out.request_id)
+                state.finish(out.request_id, now, self.block_size)
 
     def _on_record(self, state: _Replica, record: StepRecord) -> None:
         gauges = record.gauges
         state.num_running, state.num_waiting = gauges.num_running, gauges.num_waiting
         state.num_blocks = gauges.num_blocks or state.num_blocks
+        state.num_free_blocks = gauges.num_free_blocks
         state.routed_since_stats = 0
         state.fit.observe(record)
         for chunk in record.scheduled:
             flight = state.flights.get(chunk.request_id)
+            if flight is not None:
+                state.admit(flight)
             if flight is not None and chunk.start < chunk.num_prompt_tokens:
                 state.set_remaining(flight, max(0, chunk.num_prompt_tokens - chunk.start - chunk.num_tokens))
         for request_id in record.preempted:  # recomputed from scratch (its own prefix may still hit)
@@ -283,7 +328,7 @@ class LoadTracker:
 
     def on_finished(self, replica: int, request_id: str) -> None:
         """A request ended there (its final output was seen, it was aborted, or handed off)."""
-        self._replica(replica).drop_flight(request_id)
+        self._replica(replica).finish(request_id, self.clock(), self.block_size)
 
     def set_admitting(self, replica: int, admitting: bool) -> None:
         """Drain (False) or undrain a replica: a draining replica is never a candidate."""
@@ -343,6 +388,7 @@ class LoadTracker:
     def views(self) -> list[ReplicaLoad]:
         """Every replica's load, by index (routers pick among the alive and admitting ones)."""
         out = []
+        now = self.clock()
         for state in self._replicas:
             staleness = self.staleness_s(state.index)
             out.append(ReplicaLoad(
@@ -350,5 +396,8 @@ class LoadTracker:
                 num_running=state.num_running, num_waiting=state.num_waiting + state.routed_since_stats,
                 queued_prefill_tokens=state.queued_prefill, costs=state.fit.costs, mirror=state.mirror,
                 staleness_s=staleness, mirror_trusted=staleness <= self.max_staleness_s,
-                num_blocks=state.num_blocks, inflight=state.inflight, recent=state.recent))
+                num_blocks=state.num_blocks, num_free_blocks=state.num_free_blocks,
+                unadmitted=state.unadmitted, unadmitted_blocks=state.unadmitted_blocks,
+                finish_rate_per_s=state.finish_rate_per_s(now), blocks_per_finish=state.blocks_per_finish,
+                inflight=state.inflight, recent=state.recent))
         return out

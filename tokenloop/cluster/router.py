@@ -62,13 +62,17 @@ class RouterConfig:
 
     block_size: int = 16
     max_num_batched_tokens: int = 512  # the replicas' per-step token budget: prefill chunks into steps
+    max_num_seqs: int = 64  # the replicas' sequence slots: beyond them a request waits for a finish
+    typical_decode_steps: int = 128  # until finishes are measured: a running request's remaining steps
     tie_epsilon: float = 0.02  # scores within this relative distance of the best are ties
     waiting_weight: float = 4.0  # least-load: waiting requests count this many running ones
     max_sessions: int = 100_000  # session -> last replica, least recently used dropped first
 
     def __post_init__(self) -> None:
-        if self.block_size < 1 or self.max_num_batched_tokens < 1 or self.max_sessions < 1:
-            raise InvalidRequestError("block_size, max_num_batched_tokens and max_sessions must be >= 1")
+        if min(self.block_size, self.max_num_batched_tokens, self.max_num_seqs, self.max_sessions,
+               self.typical_decode_steps) < 1:
+            raise InvalidRequestError("block_size, max_num_batched_tokens, max_num_seqs, max_sessions and "
+                                      "typical_decode_steps must be >= 1")
         if not 0 <= self.tie_epsilon < 1 or self.waiting_weight < 0:
             raise InvalidRequestError("tie_epsilon must be in [0, 1) and waiting_weight >= 0")
 
@@ -183,17 +187,38 @@ class LeastLoadRouter:
         return RouteDecision(replica, self.name, None, 0, {k: float(v) for k, v in scores.items()})
 
 
+def admission_wait_s(load: ReplicaLoad, blocks_needed: int, config: RouterConfig) -> float:
+    """Seconds before the replica can admit this request: while the blocks it and the requests routed
+    ahead of it need exceed the free ones, or every sequence slot is taken, it waits for finishes (each
+    frees a slot and, on average, `blocks_per_finish` blocks), at the replica's measured finish rate."""
+    if load.num_free_blocks is None:
+        return 0.0  # not reported yet: nothing known to wait for
+    block_deficit = max(0, load.unadmitted_blocks + blocks_needed - load.num_free_blocks)
+    seq_deficit = max(0, load.num_running + load.unadmitted + 1 - config.max_num_seqs)
+    if not block_deficit and not seq_deficit:
+        return 0.0
+    rate = load.finish_rate_per_s
+    if not rate:  # nothing finished lately: the running ones finish within a typical decode
+        step = load.costs.step_s + load.num_running * load.costs.decode_row_s
+        rate = max(1, load.num_running) / (config.typical_decode_steps * step)
+    freed = load.blocks_per_finish or config.typical_decode_steps / config.block_size
+    return max(block_deficit / (rate * freed), seq_deficit / rate)
+
+
 def predicted_ttft_s(load: ReplicaLoad, num_prompt_tokens: int, cached_tokens: int,
-                     max_num_batched_tokens: int) -> float:
-    """Seconds until this prompt's first token on `load`: the prefill queued ahead of it plus its own
-    uncached part, cut into steps of the token budget left beside the running decodes, each step priced
-    with the replica's measured costs (a bare step, per prefill token, per decode row)."""
+                     config: RouterConfig) -> float:
+    """Seconds until this prompt's first token on `load`: the wait for its admission, then the prefill
+    queued ahead of it plus its own uncached part, cut into steps of the token budget left beside the
+    running decodes, each step priced with the replica's measured costs (a bare step, per prefill token,
+    per decode row)."""
     costs = load.costs
-    prefill = load.queued_prefill_tokens + max(1, num_prompt_tokens - cached_tokens)
+    uncached = max(1, num_prompt_tokens - cached_tokens)
+    prefill = load.queued_prefill_tokens + uncached
     decode_rows = load.num_running
-    budget = max(1, max_num_batched_tokens - decode_rows)
+    budget = max(1, config.max_num_batched_tokens - decode_rows)
     steps = math.ceil(prefill / budget)
-    return prefill * costs.prefill_token_s + steps * (costs.step_s + decode_rows * costs.decode_row_s)
+    wait = admission_wait_s(load, -(-uncached // config.block_size), config)
+    return wait + prefill * costs.prefill_token_s + steps * (costs.step_s + decode_rows * costs.decode_row_s)
 
 
 class CostRouter:
@@ -215,8 +240,7 @@ class CostRouter:
         cached: dict[int, int] = {}
         for load in _candidates(replicas):
             cached[load.index] = load.cached_blocks(usable) * self.config.block_size
-            scores[load.index] = predicted_ttft_s(load, num_tokens, cached[load.index],
-                                                  self.config.max_num_batched_tokens)
+            scores[load.index] = predicted_ttft_s(load, num_tokens, cached[load.index], self.config)
         replica = self._affinity.choose(request, scores)
         return RouteDecision(replica, self.name, scores[replica], cached[replica], scores)
 
