@@ -209,6 +209,12 @@ def _add_make_trace_args(parser: argparse.ArgumentParser) -> None:
                      help="share of requests starting with a shared prefix")
     mix.add_argument("--num-prefix-groups", type=_positive_int, default=d.num_prefix_groups)
     mix.add_argument("--prefix-len", type=_positive_int, default=d.prefix_len)
+    mix.add_argument("--hot-prefix-share", type=float, default=d.hot_prefix_share,
+                     help="share of the prefixed requests that start with one hot prefix (group 0)")
+    mix.add_argument("--session-turns", type=_positive_int, default=d.session_turns,
+                     help="> 1: multi-turn sessions, each turn's prompt extending the previous turn's")
+    mix.add_argument("--think-time-s", type=float, default=d.think_time_s,
+                     help="mean gap between a session's turns (default: %(default)s)")
     mix.add_argument("--priority-classes", type=_converted(parse_priority_classes), default=d.priority_classes,
                      metavar="P:SHARE,...", help="priority classes and their shares (default 0:0.2,1:0.8)")
     mix.add_argument("--num-users", type=_positive_int, default=d.num_users)
@@ -218,7 +224,7 @@ def _add_make_trace_args(parser: argparse.ArgumentParser) -> None:
 
 def run_make_trace_command(args: argparse.Namespace) -> int:
     """`bench make-trace`: write a reproducible trace and describe it."""
-    from tokenloop.bench.trace import TraceConfig, dumps_trace, make_sharegpt_trace, make_trace
+    from tokenloop.bench.trace import TraceConfig, dumps_trace, make_session_trace, make_sharegpt_trace, make_trace
 
     try:
         config = TraceConfig(
@@ -229,13 +235,16 @@ def run_make_trace_command(args: argparse.Namespace) -> int:
             max_prompt_len=args.max_prompt_len, output_len_median=args.output_len_median,
             output_len_sigma=args.output_len_sigma, max_output_len=args.max_output_len,
             prefix_fraction=args.prefix_fraction, num_prefix_groups=args.num_prefix_groups,
-            prefix_len=args.prefix_len, priority_classes=args.priority_classes, num_users=args.num_users,
+            prefix_len=args.prefix_len, hot_prefix_share=args.hot_prefix_share,
+            session_turns=args.session_turns, think_time_s=args.think_time_s, priority_classes=args.priority_classes, num_users=args.num_users,
             user_skew=args.user_skew, token_id_range=args.token_id_range)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.dataset == "sharegpt":
         trace = make_sharegpt_trace(config, _local_tokenizer(args.tokenizer))
+    elif config.session_turns > 1:
+        trace = make_session_trace(config)
     else:
         trace = make_trace(config)
     Path(args.out).write_text(dumps_trace(trace), encoding="utf-8")

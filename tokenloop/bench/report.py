@@ -165,12 +165,16 @@ def table_rows(summaries: Sequence[RunSummary], with_goodput: bool = False) -> l
 def format_table(summaries: Sequence[RunSummary], with_goodput: bool = False,
                  title: str = "Policy comparison") -> str:
     """The side-by-side text table, one column per run."""
-    rows = table_rows(summaries, with_goodput)
+    return format_rows(title, [s.label for s in summaries], table_rows(summaries, with_goodput))
+
+
+def format_rows(title: str, columns: Sequence[str], rows: Sequence[Row]) -> str:
+    """Rows of cells under one header per column, in the comparison table's layout."""
     label_width = max(40, max(len(label) for label, _ in rows) + 2)
-    col = max(12, max(len(s.label) for s in summaries) + 2)
-    width = label_width + col * len(summaries)
+    col = max(12, max(len(c) for c in columns) + 2)
+    width = label_width + col * len(columns)
     lines = [f"{' ' + title + ' ':=^{width}}",
-             f"{'':<{label_width}}" + "".join(f"{s.label:>{col}}" for s in summaries)]
+             f"{'':<{label_width}}" + "".join(f"{c:>{col}}" for c in columns)]
     for label, cells in rows:
         if not cells:
             lines.append(f"{' ' + label + ' ':-^{width}}")

@@ -29,6 +29,7 @@ rounded to microseconds, so the same options and seed give the same bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -237,6 +238,12 @@ class TraceConfig:
     prefix_fraction: float = 0.3
     num_prefix_groups: int = 4
     prefix_len: int = 128
+    # One hot prefix: this share of the prefixed requests start with group 0's (the rest pick uniformly).
+    hot_prefix_share: float = 0.0
+    # Multi-turn sessions (`make_session_trace`): turns per session; a turn's prompt is the previous
+    # turn's prompt and reply plus a new message; turns of a session are `think_time_s` apart on average.
+    session_turns: int = 1
+    think_time_s: float = 5.0
     # Priority classes: priority -> share of requests.
     priority_classes: tuple[tuple[int, float], ...] = ((0, 0.2), (1, 0.8))
     # Users: user i sends a share proportional to 1 / (i + 1) ** user_skew.
@@ -256,6 +263,8 @@ class TraceConfig:
             (self.prompt_len_sigma >= 0 and self.output_len_sigma >= 0, "length sigmas must be >= 0"),
             (0 <= self.prefix_fraction <= 1, "prefix_fraction must be in [0, 1]"),
             (self.num_prefix_groups >= 1 and self.prefix_len >= 1, "num_prefix_groups and prefix_len must be >= 1"),
+            (0 <= self.hot_prefix_share <= 1, "hot_prefix_share must be in [0, 1]"),
+            (self.session_turns >= 1 and self.think_time_s >= 0, "session_turns must be >= 1, think_time_s >= 0"),
             (bool(self.priority_classes) and all(w > 0 for _, w in self.priority_classes),
              "priority_classes needs at least one class, each with a share > 0"),
             (self.num_users >= 1, "num_users must be >= 1"),
@@ -393,7 +402,9 @@ def make_trace(config: TraceConfig, prompts: _PromptSource | None = None) -> lis
         prefix_id = None
         tokens, text = source.tokens[i], source.texts[i]
         if class_rng.random() < config.prefix_fraction:
-            group = class_rng.randrange(config.num_prefix_groups)
+            # Only a hot share draws again, so traces without one keep their bytes.
+            hot = config.hot_prefix_share and class_rng.random() < config.hot_prefix_share
+            group = 0 if hot else class_rng.randrange(config.num_prefix_groups)
             prefix_id = f"prefix-{group}"
             if tokens is not None:
                 tokens = (source.prefix_tokens or prefixes)[group] + tokens
@@ -407,6 +418,45 @@ def make_trace(config: TraceConfig, prompts: _PromptSource | None = None) -> lis
             prompt=text if tokens is None else None, prompt_tokens=tuple(tokens) if tokens is not None else None,
             priority=priority, user=user, prefix_id=prefix_id))
     return requests
+
+
+def make_session_trace(config: TraceConfig) -> list[TraceRequest]:
+    """Multi-turn sessions of token-id prompts: `num_requests` turns in sessions of `session_turns`.
+
+    Sessions start by the trace's arrival process; each turn's prompt is the previous turn's prompt,
+    then its reply (random ids of the reply's length: the trace cannot know the tokens an engine will
+    produce), then a new message drawn like a prompt, so every turn extends the one before. A session's
+    turns come `think_time_s` apart on average (exponential gaps). `user` names the session, the key a
+    router keeps affinity on; the first turn may start with a shared prefix as in `make_trace`.
+    """
+    rng = random.Random(config.seed)
+    num_sessions = -(-config.num_requests // config.session_turns)
+    starts = arrival_times(dataclasses.replace(config, num_requests=num_sessions),
+                           random.Random(rng.getrandbits(64)))
+    prompt_rng = random.Random(rng.getrandbits(64))
+    low, high = config.token_id_range
+    prefixes = [[prompt_rng.randrange(low, high) for _ in range(config.prefix_len)]
+                for _ in range(config.num_prefix_groups)]
+    turns: list[tuple[float, int, int, TraceRequest]] = []
+    for session in range(num_sessions):
+        context: list[int] = []
+        prefix_id = None
+        if prompt_rng.random() < config.prefix_fraction:
+            group = prompt_rng.randrange(config.num_prefix_groups)
+            context, prefix_id = list(prefixes[group]), f"prefix-{group}"
+        t = starts[session]
+        for turn in range(min(config.session_turns, config.num_requests - session * config.session_turns)):
+            n = _lognormal_len(prompt_rng, config.prompt_len_median, config.prompt_len_sigma,
+                               config.min_prompt_len, config.max_prompt_len)
+            context += [prompt_rng.randrange(low, high) for _ in range(n)]
+            reply = _lognormal_len(prompt_rng, config.output_len_median, config.output_len_sigma, 1,
+                                   config.max_output_len)
+            turns.append((round(t, 6), session, turn, TraceRequest(
+                id=f"s{session}-t{turn}", arrival_s=round(t, 6), max_tokens=reply, prompt_tokens=tuple(context),
+                user=f"session-{session}", prefix_id=prefix_id)))
+            context += [prompt_rng.randrange(low, high) for _ in range(reply)]
+            t += prompt_rng.expovariate(1.0 / config.think_time_s) if config.think_time_s else 0.0
+    return [request for *_, request in sorted(turns, key=lambda x: x[:3])]
 
 
 # ---- ShareGPT ------------------------------------------------------------------------------------

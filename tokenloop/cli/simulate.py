@@ -1,6 +1,7 @@
 """`tokenloop simulate`: replay a trace through the real scheduler on a virtual clock priced by a profile.
 
     tokenloop simulate --trace trace.jsonl --profile h100-llama3-8b --policies fcfs,sjf --report sim.html
+    tokenloop simulate --trace trace.jsonl --profile h100-llama3-8b --replicas 8 --router round-robin,cost
     tokenloop simulate profiles
     tokenloop simulate calibrate --out my-cpu.json     # fit this machine's profile from a real sweep
 
@@ -39,8 +40,14 @@ def add_simulate_subparser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--trace", help="the JSONL trace to replay")
     parser.add_argument("--profile", default=DEFAULT_PROFILE,
                         help="a shipped profile's name or a profile .json (default: %(default)s)")
-    parser.add_argument("--policies", default=",".join(SCHEDULING_POLICIES),
-                        help="comma-separated policies to compare (default: %(default)s)")
+    parser.add_argument("--policies",
+                        help=f"comma-separated policies to compare (default: {','.join(SCHEDULING_POLICIES)}; "
+                             "fcfs with --replicas)")
+    parser.add_argument("--replicas", type=positive_int, default=1,
+                        help="simulated engine replicas behind a router (default: %(default)s)")
+    parser.add_argument("--router", default="cost",
+                        help="with --replicas > 1: comma-separated routers to compare on the same trace, "
+                             "of round-robin, least-load, cost (default: %(default)s)")
     parser.add_argument("--max-requests", type=positive_int, help="replay only the first N requests")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiply arrival times (< 1 compresses the trace: more load)")
@@ -88,17 +95,7 @@ def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], 
     from tokenloop.llm import build_engine_config
     from tokenloop.sim.engine import SimulatedEngine
 
-    from tokenloop.sim.profiles import ProfileError
-
-    if options.get("block_size", profile.block_size) != profile.block_size:
-        # Step costs were measured (or derived) with the profile's blocks; another size is another engine.
-        raise ProfileError(f"profile {profile.name!r} is for block size {profile.block_size}, not "
-                           f"{options['block_size']}")
-    options = {"block_size": profile.block_size, **options}
-    if "num_blocks" not in options and profile.kv_cache_memory_bytes:
-        options["kv_cache_memory_bytes"] = profile.kv_cache_memory_bytes
-    # The top two ids are the simulator's filler and EOS tokens: above every prompt id.
-    vocab_size = max(max(r.prompt_tokens) for r in trace) + 3
+    options, vocab_size = _profile_options(profile, options, trace)
     config = PolicyBenchConfig(policies=tuple(policies), model=profile.model, engine_options=options,
                                clock=SIMULATED_CLOCK, time_scale=time_scale, slos_ms=slos_ms or {},
                                progress=progress, warmup=False)
@@ -116,21 +113,38 @@ def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], 
 
         run = replay_engine(trace, make_engine, label=policy, clock_mode=SIMULATED_CLOCK,
                             time_scale=time_scale, progress=progress)
-        run.settings.update(profile=profile.name, **_run_costs(built[-1].runner, profile,
+        run.settings.update(profile=profile.name, **_run_costs([built[-1].runner], profile,
                                                                sum(r.output_len for r in run.records)))
         runs.append(run)
     return PolicyBenchResult(runs, [summarize_run(run, slos_ms or None) for run in runs]), config
 
 
-def _run_costs(runner: Any, profile: Any, num_output_tokens: int) -> dict[str, Any]:
-    """Where a run's modelled time went (which side of the roofline bound its steps) and its energy."""
+def _profile_options(profile: Any, options: dict[str, Any], trace: Sequence[Any]) -> tuple[dict[str, Any], int]:
+    """The engine options completed from the profile, and the simulated vocabulary the trace needs."""
+    from tokenloop.sim.profiles import ProfileError
+
+    if options.get("block_size", profile.block_size) != profile.block_size:
+        # Step costs were measured (or derived) with the profile's blocks; another size is another engine.
+        raise ProfileError(f"profile {profile.name!r} is for block size {profile.block_size}, not "
+                           f"{options['block_size']}")
+    options = {"block_size": profile.block_size, **options}
+    if "num_blocks" not in options and profile.kv_cache_memory_bytes:
+        options["kv_cache_memory_bytes"] = profile.kv_cache_memory_bytes
+    # The top two ids are the simulator's filler and EOS tokens: above every prompt id.
+    return options, max(max(r.prompt_tokens) for r in trace) + 3
+
+
+def _run_costs(runners: Sequence[Any], profile: Any, num_output_tokens: int) -> dict[str, Any]:
+    """Where a run's modelled time went (which side of the roofline bound its steps) and its energy,
+    summed over its engines (one, or a cluster's replicas)."""
+    modelled_ns = sum(r.modelled_ns for r in runners)
     costs: dict[str, Any] = {
-        "modelled_busy_s": runner.modelled_ns / 1e9,
-        "bound_s": {side: ns / 1e9 for side, ns in runner.bound_ns.items()},
-        "bound_steps": dict(runner.bound_steps),
+        "modelled_busy_s": modelled_ns / 1e9,
+        "bound_s": {side: sum(r.bound_ns[side] for r in runners) / 1e9 for side in runners[0].bound_ns},
+        "bound_steps": {side: sum(r.bound_steps[side] for r in runners) for side in runners[0].bound_steps},
     }
     if profile.power_watts is not None:
-        joules = profile.power_watts * runner.modelled_ns / 1e9
+        joules = profile.power_watts * modelled_ns / 1e9
         costs["energy_j"] = joules
         costs["energy_j_per_output_token"] = joules / num_output_tokens if num_output_tokens else None
     return costs
@@ -151,14 +165,19 @@ def _tokenized(trace: list[Any], model: str) -> list[Any]:
 def _simulate(args: argparse.Namespace) -> int:
     from tokenloop.bench.metrics import parse_goodput
     from tokenloop.bench.policies import parse_policies, save_outputs
+    from tokenloop.bench.report import format_table
     from tokenloop.bench.trace import load_trace
     from tokenloop.sim.profiles import load_profile
 
     if not args.trace:
         print("error: simulate needs --trace (or the action `profiles` / `calibrate`)", file=sys.stderr)
         return 2
+    from tokenloop.cli.simulate_cluster import cluster_table, parse_routers, simulate_cluster
+
+    clustered = args.replicas > 1
     try:
-        policies = parse_policies(args.policies)
+        policies = parse_policies(args.policies or ("fcfs" if clustered else ",".join(SCHEDULING_POLICIES)))
+        routers = parse_routers(args.router)
         slos = parse_goodput(args.goodput)
         if args.time_scale <= 0:
             raise ValueError("--time-scale must be > 0")
@@ -171,11 +190,19 @@ def _simulate(args: argparse.Namespace) -> int:
         trace = trace[:args.max_requests]
     trace = _tokenized(trace, profile.model)
     began = time.perf_counter()
-    result, config = simulate_trace(trace, profile, policies, replay_engine_options(args),
-                                    time_scale=args.time_scale, slos_ms=slos, progress=not args.disable_tqdm)
-    print(f"simulated {len(trace)} requests x {len(policies)} policies on profile {profile.name} "
-          f"({profile.hardware}) in {time.perf_counter() - began:.1f} s")
-    print(result.table(with_goodput=bool(slos)))
+    if clustered:
+        result, config = simulate_cluster(trace, profile, policies, routers, args.replicas,
+                                          replay_engine_options(args), time_scale=args.time_scale, slos_ms=slos)
+        print(f"simulated {len(trace)} requests x {len(result.runs)} routers on {args.replicas} replicas of "
+              f"profile {profile.name} ({profile.hardware}) in {time.perf_counter() - began:.1f} s")
+        print(format_table(result.summaries, bool(slos), title="Router comparison"))
+        print(cluster_table(result))
+    else:
+        result, config = simulate_trace(trace, profile, policies, replay_engine_options(args),
+                                        time_scale=args.time_scale, slos_ms=slos, progress=not args.disable_tqdm)
+        print(f"simulated {len(trace)} requests x {len(policies)} policies on profile {profile.name} "
+              f"({profile.hardware}) in {time.perf_counter() - began:.1f} s")
+        print(result.table(with_goodput=bool(slos)))
     save_outputs(result, config, trace_path=args.trace, report_path=args.report, result_path=args.save_result)
     if args.report:
         print(f"wrote the report to {args.report}")

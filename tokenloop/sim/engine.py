@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokenloop.config import EngineConfig
-from tokenloop.core.messages import CoreRequest
+from tokenloop.core.messages import CoreOutputs, CoreRequest
 from tokenloop.core.scheduler import SchedulerStats
 from tokenloop.errors import InvalidRequestError
 from tokenloop.observe.records import Observes
@@ -124,6 +124,10 @@ class SimulatedEngine:
 
     def step(self) -> list[SimulatedOutput]:
         """One core step; the outputs of the requests that finished in it."""
+        return self.step_outputs()[1]
+
+    def step_outputs(self) -> tuple[CoreOutputs, list[SimulatedOutput]]:
+        """One core step: the core's own outputs (for a router's load tracker) and the finished requests."""
         outs = self.core.step()
         stamp = outs.timestamp_ns
         finished = []
@@ -139,7 +143,7 @@ class SimulatedEngine:
                 finished.append(self._output(out.request_id, tracked, out.finish_reason,
                                              out.first_scheduled_ns, stamp, out.num_cached_tokens,
                                              out.num_preemptions))
-        return finished
+        return outs, finished
 
     @staticmethod
     def _output(request_id: str, tracked: _Tracked, finish_reason: str, first_scheduled_ns: int | None,

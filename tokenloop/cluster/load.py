@@ -1,0 +1,403 @@
+"""What a router knows of each replica: queue gauges, measured step costs, and its prefix index.
+
+One `LoadTracker` per cluster is fed by whoever owns the replicas (the replica set, or the simulator's
+cluster): `on_routed` as a request is sent (the optimistic increment, as vLLM's data-parallel balancer
+counts a request before the engine's next stats), `on_frame` with each replica's `CoreOutputs` (the
+step record's gauges, the step's duration for the cost fit, its KV-event batch, the requests that
+ended), and the replica's liveness and admission. Routers read `views()`, one `ReplicaLoad` per replica.
+
+The prefix index is the replica's `KVIndexMirror`, rebuilt from its KV events. A gap in the batches
+marks it stale until it is resynced from the engine's `kv_snapshot` (`resync`); a replica whose frames
+keep coming without events for longer than `max_staleness_s` (events off, or the event path lost) is not
+trusted either. Then `ReplicaLoad.cached_blocks` falls back to what this router itself sent there
+recently, bounded by the replica's cache size: an estimate, never the stale set.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenloop.core.kv_events import KVEventBatch, KVIndexMirror, KVIndexSnapshot
+from tokenloop.core.messages import CoreOutputs
+from tokenloop.observe.records import StepRecord
+from tokenloop.sim.cost import StepCostModel, StepFeatures, features_of_record, nnls
+
+DEFAULT_MAX_STALENESS_S = 2.0
+DEFAULT_RECENT_BLOCKS = 4096  # the fallback's bound before a replica has reported its cache size
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """A replica's step time as `step_s + prefill_token_s x prefill tokens + decode_row_s x decode rows`."""
+
+    step_s: float
+    prefill_token_s: float
+    decode_row_s: float
+
+    @classmethod
+    def from_cost_model(cls, model: StepCostModel, context: int = 512) -> StepCosts:
+        """The marginal costs a profile's model implies: a bare step, a `context`-token prefill chunk
+        from position 0, and one decode row at `context` (roofline profiles included)."""
+        bare = model.step_seconds(StepFeatures())
+        chunk = model.step_seconds(StepFeatures(1.0, context, context, context * context, 1, 1))
+        decode = model.step_seconds(StepFeatures(1.0, 1, context + 1, 0, 1, 1))
+        return cls(bare, max(chunk - bare, 0.0) / context, max(decode - bare, 0.0))
+
+
+# Before anything is measured: `StepCosts.from_cost_model` of the shipped CPU profile (cpu-smollm2-135m),
+# rounded; a tracker in front of other hardware is seeded from its profile instead.
+DEFAULT_STEP_COSTS = StepCosts(step_s=0.0085, prefill_token_s=0.00093, decode_row_s=0.0082)
+
+
+class StepCostFit:
+    """Step costs fitted online from a replica's step records: NNLS over the recent steps.
+
+    The fitted terms are a bare step, each batched token and each sampled row (`sim/cost.py`'s `step`,
+    `tokens` and `sampled_rows`): a prefill token costs a token, a decode row a token and a sampled row.
+    A term no recent step exercised keeps its seed, so an idle replica is never priced as free.
+    """
+
+    def __init__(self, seed: StepCosts, window: int = 512, refit_every: int = 32) -> None:
+        self.costs = seed
+        self._seed = seed
+        self._rows: deque[tuple[float, float, float, float]] = deque(maxlen=window)
+        self._refit_every = refit_every
+        self._since_fit = 0
+
+    def observe(self, record: StepRecord) -> None:
+        if not record.scheduled:
+            return
+        features = features_of_record(record)
+        self._rows.append((1.0, features.tokens, features.sampled_rows, (record.end_ns - record.start_ns) / 1e9))
+        self._since_fit += 1
+        if self._since_fit >= self._refit_every:
+            self.refit()
+
+    def refit(self) -> None:
+        self._since_fit = 0
+        if len(self._rows) < 8:
+            return
+        rows = np.array(self._rows, dtype=np.float64)
+        a, b = rows[:, :3], rows[:, 3]
+        # Relative errors: the many short decode steps count as much as the few long prefills.
+        weights = 1.0 / np.maximum(b, 1e-9)
+        seed = self._seed
+        values = [seed.step_s, seed.prefill_token_s, seed.decode_row_s - seed.prefill_token_s]
+        # Tokens and sampled rows are collinear while only decodes ran: then keep the seeded token cost.
+        prefill_seen = bool((a[:, 1] > a[:, 2]).any())
+        used = [0, 1, 2] if prefill_seen else [0, 2]
+        if prefill_seen:
+            x = nnls(a[:, used] * weights[:, None], b * weights)
+        else:
+            x = nnls(a[:, used] * weights[:, None], (b - a[:, 1] * values[1]) * weights)
+        for i, column in enumerate(used):
+            values[column] = float(x[i])
+        if sum(values) <= 0:
+            return
+        self.costs = StepCosts(values[0], values[1], values[1] + values[2])
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """One replica as a router sees it (a snapshot of counters; the mappings are live views)."""
+
+    index: int
+    alive: bool
+    admitting: bool
+    num_running: int
+    num_waiting: int  # the last gauges plus requests routed since them (optimistic)
+    queued_prefill_tokens: int  # prompt tokens routed there and not yet computed (predicted hits excluded)
+    costs: StepCosts
+    mirror: KVIndexMirror
+    staleness_s: float  # how long frames came without KV events (inf: a gap, not yet resynced)
+    mirror_trusted: bool
+    num_blocks: int | None = None
+    # Admission: a request waits while its blocks or a sequence slot are not free; they free as requests
+    # finish. None where the replica has not reported yet (no capacity limit is assumed then).
+    num_free_blocks: int | None = None  # unreferenced blocks at the last stats (cached ones included)
+    unadmitted: int = 0  # requests routed there whose prefill has not started
+    unadmitted_blocks: int = 0  # the blocks those need
+    finish_rate_per_s: float | None = None  # requests finished per second lately
+    blocks_per_finish: float | None = None  # blocks a finishing request frees, on average
+    inflight: Mapping[int, int] = field(default_factory=dict)  # block hashes of requests still prefilling
+    recent: Mapping[int, None] = field(default_factory=dict)  # block hashes routed there lately (bounded)
+
+    @property
+    def candidate(self) -> bool:
+        return self.alive and self.admitting
+
+    def cached_blocks(self, block_hashes: Sequence[int]) -> int:
+        """Leading blocks of a chain the replica will hold by the time the request runs.
+
+        The mirror when trusted, else the bounded recent-routing estimate; either way a prefix a request
+        in flight there is computing now counts, since the engine will have published it first.
+        """
+        known = self.mirror.longest_prefix(block_hashes) if self.mirror_trusted else \
+            _longest(self.recent, block_hashes)
+        return max(known, _longest(self.inflight, block_hashes))
+
+
+def _longest(hashes: Mapping[int, object], chain: Sequence[int]) -> int:
+    count = 0
+    for block_hash in chain:
+        if block_hash not in hashes:
+            break
+        count += 1
+    return count
+
+
+@dataclass(slots=True)
+class _Flight:
+    num_prompt_tokens: int
+    remaining_prefill: int
+    block_hashes: tuple[int, ...]
+    blocks_needed: int  # new blocks its admission takes (its uncached prompt)
+    admitted: bool = False
+    num_output_tokens: int = 0
+
+
+class _Replica:
+    def __init__(self, index: int, seed: StepCosts) -> None:
+        self.index = index
+        self.alive = True
+        self.admitting = True
+        self.num_running = 0
+        self.num_waiting = 0
+        self.num_blocks: int | None = None
+        self.routed_since_stats = 0
+        self.flights: dict[str, _Flight] = {}
+        self.queued_prefill = 0  # sum of the flights' remaining_prefill, kept as they change
+        self.num_free_blocks: int | None = None
+        self.unadmitted = 0
+        self.unadmitted_blocks = 0
+        self.finishes: deque[int] = deque(maxlen=32)  # instants (ns) of the last finishes
+        self.blocks_per_finish: float | None = None  # EWMA
+        self.inflight: Counter[int] = Counter()
+        self.recent: OrderedDict[int, None] = OrderedDict()
+        self.mirror = KVIndexMirror()
+        self.quiet_since_ns: int | None = None  # first frame with work since the last KV batch
+        self.fit = StepCostFit(seed)
+
+    def add_flight(self, request_id: str, flight: _Flight) -> None:
+        self.drop_flight(request_id)
+        self.flights[request_id] = flight
+        self.queued_prefill += flight.remaining_prefill
+        self.inflight.update(flight.block_hashes)
+        self.unadmitted += 1
+        self.unadmitted_blocks += flight.blocks_needed
+
+    def admit(self, flight: _Flight) -> None:
+        if not flight.admitted:
+            flight.admitted = True
+            self.unadmitted -= 1
+            self.unadmitted_blocks -= flight.blocks_needed
+
+    def finish(self, request_id: str, now_ns: int, block_size: int) -> None:
+        flight = self.flights.get(request_id)
+        if flight is None:
+            return
+        self.finishes.append(now_ns)
+        freed = -(-(flight.num_prompt_tokens + flight.num_output_tokens) // block_size)
+        self.blocks_per_finish = freed if self.blocks_per_finish is None else \
+            0.9 * self.blocks_per_finish + 0.1 * freed
+        self.drop_flight(request_id)
+
+    def finish_rate_per_s(self, now_ns: int) -> float | None:
+        """Finishes per second over the recent ones, up to now (a replica that stopped finishing decays)."""
+        if len(self.finishes) < 2:
+            return None
+        span = max(now_ns, self.finishes[-1]) - self.finishes[0]
+        return (len(self.finishes) - 1) / (span / 1e9) if span > 0 else None
+
+    def set_remaining(self, flight: _Flight, remaining: int) -> None:
+        self.queued_prefill += remaining - flight.remaining_prefill
+        flight.remaining_prefill = remaining
+
+    def drop_flight(self, request_id: str) -> None:
+        flight = self.flights.pop(request_id, None)
+        if flight is not None:
+            self.admit(flight)
+            self.set_remaining(flight, 0)
+            self._release_inflight(flight)
+
+    def end_prefill(self, flight: _Flight) -> None:
+        self.set_remaining(flight, 0)
+        self._release_inflight(flight)
+
+    def _release_inflight(self, flight: _Flight) -> None:
+        if not flight.block_hashes:
+            return
+        self.inflight.subtract(flight.block_hashes)
+        for block_hash in flight.block_hashes:
+            if self.inflight[block_hash] <= 0:
+                del self.inflight[block_hash]
+        flight.block_hashes = ()
+
+
+class LoadTracker:
+    """Per-replica load, step costs and prefix mirrors, fed by the replica set and read by routers.
+
+    Not thread-safe: feed and read it from one thread (the front end's loop). `clock` is in ns and
+    only measures staleness (the simulator passes its virtual clock).
+    """
+
+    def __init__(self, num_replicas: int, block_size: int, max_staleness_s: float = DEFAULT_MAX_STALENESS_S,
+                 *, seed_costs: StepCosts = DEFAULT_STEP_COSTS, clock: Callable[[], int] = time.monotonic_ns,
+                 recent_blocks: int = DEFAULT_RECENT_BLOCKS) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+        if block_size < 1 or max_staleness_s <= 0 or recent_blocks < 1:
+            raise ValueError("block_size, max_staleness_s and recent_blocks must be > 0")
+        self.block_size = block_size
+        self.max_staleness_s = max_staleness_s
+        self.clock = clock
+        self._seed = seed_costs
+        self._recent_blocks = recent_blocks
+        self._replicas = [_Replica(i, seed_costs) for i in range(num_replicas)]
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._replicas)
+
+    def _replica(self, replica: int) -> _Replica:
+        if not 0 <= replica < len(self._replicas):
+            raise IndexError(f"no replica {replica} (valid: 0..{len(self._replicas) - 1})")
+        return self._replicas[replica]
+
+    # ---- feeding ---------------------------------------------------------------------------------
+
+    def on_routed(self, replica: int, request_id: str, num_prompt_tokens: int, *, num_cached_tokens: int = 0,
+                  block_hashes: Sequence[int] = ()) -> None:
+        """A request was sent to `replica`: count it before the replica's next stats say so."""
+        state = self._replica(replica)
+        state.routed_since_stats += 1
+        hashes = tuple(block_hashes)
+        uncached = max(0, num_prompt_tokens - num_cached_tokens)
+        state.add_flight(request_id, _Flight(num_prompt_tokens, uncached, hashes, -(-uncached // self.block_size)))
+        recent = state.recent
+        for block_hash in hashes:
+            recent[block_hash] = None
+            recent.move_to_end(block_hash)
+        bound = state.num_blocks or self._recent_blocks
+        while len(recent) > bound:
+            recent.popitem(last=False)
+
+    def on_frame(self, replica: int, outputs: CoreOutputs) -> None:
+        """One step's outputs of `replica`: its gauges and duration, its KV events, its finished requests."""
+        state = self._replica(replica)
+        now = self.clock()
+        if outputs.kv_events is not None:
+            self._apply(state, outputs.kv_events)
+            state.quiet_since_ns = None
+        elif outputs.num_scheduled and state.quiet_since_ns is None:
+            state.quiet_since_ns = now
+        record = outputs.record
+        if record is not None:
+            self._on_record(state, record)
+        for out in outputs.outputs:
+            flight = state.flights.get(out.request_id)
+            if flight is not None and out.new_token_ids:
+                flight.num_output_tokens += len(out.new_token_ids)
+                state.end_prefill(flight)  # a sampled token: its prompt is computed
+            if out.finish_reason is not None:
+                state.finish(out.request_id, now, self.block_size)
+
+    def _on_record(self, state: _Replica, record: StepRecord) -> None:
+        gauges = record.gauges
+        state.num_running, state.num_waiting = gauges.num_running, gauges.num_waiting
+        state.num_blocks = gauges.num_blocks or state.num_blocks
+        state.num_free_blocks = gauges.num_free_blocks
+        state.routed_since_stats = 0
+        state.fit.observe(record)
+        for chunk in record.scheduled:
+            flight = state.flights.get(chunk.request_id)
+            if flight is not None:
+                state.admit(flight)
+            if flight is not None and chunk.start < chunk.num_prompt_tokens:
+                state.set_remaining(flight, max(0, chunk.num_prompt_tokens - chunk.start - chunk.num_tokens))
+        for request_id in record.preempted:  # recomputed from scratch (its own prefix may still hit)
+            flight = state.flights.get(request_id)
+            if flight is not None:
+                state.set_remaining(flight, flight.num_prompt_tokens)
+
+    def on_finished(self, replica: int, request_id: str) -> None:
+        """A request ended there (its final output was seen, it was aborted, or handed off)."""
+        self._replica(replica).finish(request_id, self.clock(), self.block_size)
+
+    def set_admitting(self, replica: int, admitting: bool) -> None:
+        """Drain (False) or undrain a replica: a draining replica is never a candidate."""
+        self._replica(replica).admitting = admitting
+
+    def set_alive(self, replica: int, alive: bool) -> None:
+        """A replica died (False) or a fresh engine replaced it (True: its state starts over)."""
+        state = self._replica(replica)
+        if alive and not state.alive:
+            fresh = _Replica(replica, self._seed)
+            fresh.admitting = state.admitting
+            self._replicas[replica] = fresh
+            return
+        state.alive = alive
+
+    # ---- the prefix mirrors ----------------------------------------------------------------------
+
+    def _apply(self, state: _Replica, batch: KVEventBatch) -> None:
+        state.mirror.apply(batch)  # a gap leaves it stale until the missing batches or a snapshot
+
+    def mirror(self, replica: int) -> KVIndexMirror:
+        """The replica's prefix mirror (e.g. a handoff's skip_hashes)."""
+        return self._replica(replica).mirror
+
+    def needs_resync(self, replica: int) -> bool:
+        """True after a gap: fetch `kv_events_since(mirror.next_seq)` or a `kv_snapshot` and pass it in."""
+        return self._replica(replica).mirror.stale
+
+    def catch_up(self, replica: int, batches: Sequence[KVEventBatch]) -> bool:
+        """Apply replayed batches (the engine's `kv_events_since(next_seq)`); True if the gap closed."""
+        state = self._replica(replica)
+        for batch in batches:
+            state.mirror.apply(batch)
+        if not state.mirror.stale:
+            state.quiet_since_ns = None
+        return not state.mirror.stale
+
+    def resync(self, replica: int, snapshot: KVIndexSnapshot, batches_after: Sequence[KVEventBatch] = ()) -> None:
+        """Replace the mirror with the engine's `kv_snapshot`, then apply the batches after it."""
+        state = self._replica(replica)
+        state.mirror.resync(snapshot)
+        for batch in batches_after:
+            state.mirror.apply(batch)
+        state.quiet_since_ns = None
+
+    def staleness_s(self, replica: int) -> float:
+        """Seconds the replica has stepped without sending KV events; inf while a gap is open."""
+        state = self._replica(replica)
+        if state.mirror.stale:
+            return math.inf
+        if state.quiet_since_ns is None:
+            return 0.0
+        return max(0, self.clock() - state.quiet_since_ns) / 1e9
+
+    # ---- reading ---------------------------------------------------------------------------------
+
+    def views(self) -> list[ReplicaLoad]:
+        """Every replica's load, by index (routers pick among the alive and admitting ones)."""
+        out = []
+        now = self.clock()
+        for state in self._replicas:
+            staleness = self.staleness_s(state.index)
+            out.append(ReplicaLoad(
+                index=state.index, alive=state.alive, admitting=state.admitting,
+                num_running=state.num_running, num_waiting=state.num_waiting + state.routed_since_stats,
+                queued_prefill_tokens=state.queued_prefill, costs=state.fit.costs, mirror=state.mirror,
+                staleness_s=staleness, mirror_trusted=staleness <= self.max_staleness_s,
+                num_blocks=state.num_blocks, num_free_blocks=state.num_free_blocks,
+                unadmitted=state.unadmitted, unadmitted_blocks=state.unadmitted_blocks,
+                finish_rate_per_s=state.finish_rate_per_s(now), blocks_per_finish=state.blocks_per_finish,
+                inflight=state.inflight, recent=state.recent))
+        return out
