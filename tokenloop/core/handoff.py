@@ -207,7 +207,12 @@ class HandoffStage:
                 reason = f"the request cannot continue here: {exc}"
         if request is not None and reason is None:
             needed = self.kv.num_blocks_for(self.scheduler.max_kv_tokens(request))
-            if needed > self.kv.num_blocks:
+            max_tokens = request.sampling_params.max_tokens
+            final_len = request.num_prompt_tokens + max_tokens if max_tokens is not None else request.num_tokens
+            if final_len > self.scheduler.max_model_len:  # it would stop short here: not the same request
+                reason = (f"no room: the request may grow to {final_len} tokens and this engine's context "
+                          f"holds {self.scheduler.max_model_len}")
+            elif needed > self.kv.num_blocks:
                 reason = (f"no room: the request may need {needed} blocks of {self.kv.block_size} and this "
                           f"engine's whole pool holds {self.kv.num_blocks}")
         if reason is not None or request is None:
