@@ -9,6 +9,7 @@ aborted without leaking a block on either side; a nack or an expired lease resum
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,12 +18,15 @@ from hypothesis import strategies as st
 from tokenloop.core import wire
 from tokenloop.core.core_loop import CoreLoop
 from tokenloop.core.engine_core import EngineCore
+from tokenloop.core.kv_events import KVIndexMirror
 from tokenloop.core.handoff import ImportResult, KVSnapshot
 from tokenloop.core.messages import CoreRequest, UtilityCall
 from tokenloop.errors import InvalidRequestError
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
+from tokenloop.observe.records import EngineObserver, ReleaseInfo
 from tokenloop.request import RequestStatus, SamplingParams
+from tokenloop.structured import StructuredOutputsParams
 
 BLOCK = 4
 RID = "handed"
@@ -95,6 +99,14 @@ def _assert_clean(*cores: EngineCore) -> None:
         assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks
 
 
+def _assert_events_mirror(core: EngineCore, tokens: dict[str, list[int]]) -> None:
+    _step(core, tokens)  # flushes what happened since the last step into a batch
+    mirror = KVIndexMirror()
+    for batch in core.kv_events_since(0) or []:
+        assert mirror.apply(batch)
+    assert mirror.hashes == set(_cached_hashes(core))
+
+
 def _cached_hashes(core: EngineCore) -> list[int]:
     """What a router's mirror of `core` holds: the skip list for a handoff to it."""
     return [block_hash for block_hash, _ in core.kv_cache.pool.cached_items()]
@@ -115,7 +127,7 @@ def _run_on_a(tiny: Checkpoint, prompt: list[int], seeded: bool, steps: int, max
 
 # ---- the oracle --------------------------------------------------------------------------------------------
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(length=st.integers(1, 14), seed=st.integers(0, 10_000), seeded=st.booleans(),
        steps=st.integers(0, 9), budget=st.sampled_from([3, 4, 7, 32]), warm=st.integers(0, 14),
@@ -212,8 +224,9 @@ def test_import_matches_copies_and_recomputes_what_is_missing(tiny: Checkpoint) 
     assert result.num_blocks_copied == len(snapshot.blocks) == -(-computed // BLOCK) - 2
     assert result.num_tokens_recomputed == 0 and result.bytes_copied > 0
     assert b._requests[RID].status is RequestStatus.RUNNING
-    assert a.complete_export(snapshot.lease_id)
     moved: dict[str, list[int]] = {}
+    _assert_events_mirror(b, moved)  # copied blocks were announced as stored
+    assert a.complete_export(snapshot.lease_id)
     _drain(b, moved)
     assert tokens[RID] + moved[RID] == expected
     _drain(a, {})
@@ -430,4 +443,77 @@ def test_utilities_through_core_loops(tiny: Checkpoint) -> None:
     _drain(b, moved)
     assert tokens[RID] + moved[RID] == expected
     _drain(a, {})
+    _assert_clean(a, b)
+
+
+# ---- what the request carries ----------------------------------------------------------------------------
+
+def test_a_constrained_request_rebuilds_its_matcher_on_the_destination(tiny: Checkpoint) -> None:
+    regex = r"[a-z]{2,6}-[0-9]{1,3}"
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=30,
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+    prompt = tiny.tokenizer.encode("the quick brown fox")
+    alone = _core(tiny)
+    alone.add_requests([CoreRequest(RID, prompt, params, 0)])
+    expected: dict[str, list[int]] = {}
+    _drain(alone, expected)
+    a = _core(tiny)
+    a.add_requests([CoreRequest(RID, prompt, params, 0)])
+    tokens: dict[str, list[int]] = {}
+    for _ in range(3):
+        _step(a, tokens)
+    b = _core(tiny)
+    snapshot = wire.decode(wire.encode(a.export_request(RID)))  # the constraint crosses the wire too
+    assert b.import_request(snapshot).accepted
+    matcher = b._requests[RID].structured
+    assert matcher is not None and matcher.num_accepted == len(tokens[RID])
+    assert a.complete_export(snapshot.lease_id)
+    finished: dict[str, str] = {}
+    _drain(b, tokens, finished)
+    assert tokens[RID] == expected[RID] and finished[RID] == "stop"
+    assert re.fullmatch(regex, tiny.tokenizer.decode(tokens[RID]))
+    _drain(a, {})
+    _assert_clean(a, b)
+
+
+class Releases(EngineObserver):
+    def __init__(self) -> None:
+        self.infos: list[ReleaseInfo] = []
+
+    def on_release(self, records: list[ReleaseInfo]) -> None:
+        self.infos.extend(records)
+
+
+def test_times_rebase_and_salt_priority_and_fair_share_travel(tiny: Checkpoint) -> None:
+    clock_a, clock_b = FakeClock(), FakeClock()
+    clock_b.now = 10**12  # another engine's clock: only ages mean anything across
+    releases = Releases()
+    config = dict(block_size=BLOCK, num_blocks=40, enable_kv_events=True, policy="fair")
+    a = EngineCore(build_engine_config(str(tiny.path), **config), checkpoint=tiny, clock=clock_a,
+                   observers=[releases])
+    b = EngineCore(build_engine_config(str(tiny.path), **config), checkpoint=tiny, clock=clock_b)
+    prompt = _prompt(10, 31, tiny.config.vocab_size)
+    a.add_requests([CoreRequest(RID, prompt, _params(False), clock_a.now, priority=3, user="ann",
+                                cache_salt="tenant-7")])
+    for _ in range(4):
+        clock_a.now += 1000
+        _step(a, {})
+    source = a._requests[RID]
+    itls, ttft = source.times.itls_ns, source.times.ttft_ns
+    charge = a.scheduler.policy.charge(source)
+    assert charge > 0
+    snapshot = a.export_request(RID)
+    assert b.import_request(snapshot).accepted
+    moved = b._requests[RID]
+    assert (moved.priority, moved.user, moved.cache_salt) == (3, "ann", "tenant-7")
+    assert moved.block_hashes[:2] == source.block_hashes[:2], "the salt keeps the hashes"
+    assert moved.times.itls_ns == itls
+    assert 0 <= clock_b.now - snapshot.request.age_ns - moved.times.arrival <= 5  # the clock ticks per read
+    assert moved.times.ttft_ns is not None and abs(moved.times.ttft_ns - ttft) <= 2  # ns ticks of reads
+    assert b.scheduler.policy.counter("ann") >= charge  # the user pays here for what it got there
+    assert a.complete_export(snapshot.lease_id)
+    (info,) = releases.infos
+    assert info.request_id == RID and info.status == "handed_off" and info.finish_reason is None
+    assert info.num_kept_cached == len(snapshot.block_hashes) and info.num_freed == 1  # the partial tail
+    _drain(b, {})
     _assert_clean(a, b)
