@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from tokenloop.core import wire
 from tokenloop.core.core_loop import CoreLoop
 from tokenloop.core.engine_core import EngineCore
-from tokenloop.core.kv_events import KVIndexMirror
 from tokenloop.core.handoff import ImportResult, KVSnapshot
+from tokenloop.core.kv_events import KVIndexMirror
 from tokenloop.core.messages import CoreRequest, UtilityCall
 from tokenloop.errors import InvalidRequestError
 from tokenloop.llm import build_engine_config
@@ -44,8 +44,8 @@ class FakeClock:
 
 
 def _core(tiny: Checkpoint, clock: FakeClock | None = None, **options: object) -> EngineCore:
-    settings_ = dict(block_size=BLOCK, num_blocks=40, max_num_seqs=4, max_num_batched_tokens=32,
-                     enable_kv_events=True)
+    settings_ = {"block_size": BLOCK, "num_blocks": 40, "max_num_seqs": 4, "max_num_batched_tokens": 32,
+                 "enable_kv_events": True}
     settings_.update(options)
     config = build_engine_config(str(tiny.path), **settings_)
     return EngineCore(config, checkpoint=tiny, **({"clock": clock} if clock is not None else {}))
@@ -139,12 +139,13 @@ def test_handoff_continues_with_identical_tokens(tiny: Checkpoint, length: int, 
     prompt = _prompt(length, seed, vocab)
     expected = _reference(tiny, prompt, seeded)
     # A small pool and a higher-priority competitor make the chosen side preempt the handed request.
-    squeeze = dict(num_blocks=12, policy="priority")
+    squeeze = {"num_blocks": 12, "policy": "priority"}
     a_options: dict[str, object] = dict(max_num_batched_tokens=budget, **(squeeze if preempt == "A" else {}))
     a = _core(tiny, **a_options)
     a.add_requests([CoreRequest(RID, prompt, _params(seeded), 0)])
     if preempt == "A":
-        a.add_requests([CoreRequest("rival-a", _prompt(8, seed + 1, vocab), _params(False, 30), 0, priority=-1)])
+        rival = CoreRequest("rival-a", _prompt(8, seed + 1, vocab), _params(False, 30), 0, priority=-1)
+        a.add_requests([rival])
     tokens: dict[str, list[int]] = {}
     for _ in range(steps):
         if a._requests[RID].num_output_tokens >= 9:
@@ -155,7 +156,8 @@ def test_handoff_continues_with_identical_tokens(tiny: Checkpoint, length: int, 
         b.add_requests([CoreRequest("warm", prompt[:warm], _params(False, 1), 0)])
         _drain(b, {})
     if preempt == "B":
-        b.add_requests([CoreRequest("rival-b", _prompt(8, seed + 2, vocab), _params(False, 30), 0, priority=-1)])
+        rival = CoreRequest("rival-b", _prompt(8, seed + 2, vocab), _params(False, 30), 0, priority=-1)
+        b.add_requests([rival])
         _step(b, {})
     before = list(tokens.get(RID, []))
     snapshot = a.export_request(RID, _cached_hashes(b) if skip_cached else [])
@@ -180,7 +182,7 @@ def test_preemption_on_either_side_around_the_copy(tiny: Checkpoint) -> None:
     prompt = _prompt(12, 7, vocab)
     expected = _reference(tiny, prompt, True)
     for side in ("A", "B"):
-        squeeze = dict(num_blocks=12, policy="priority", max_num_batched_tokens=8)
+        squeeze = {"num_blocks": 12, "policy": "priority", "max_num_batched_tokens": 8}
         a = _core(tiny, **(squeeze if side == "A" else {}))
         a.add_requests([CoreRequest(RID, prompt, _params(True), 0)])
         tokens: dict[str, list[int]] = {}
@@ -257,7 +259,7 @@ def test_import_matches_copies_and_recomputes_what_is_missing(tiny: Checkpoint) 
 @pytest.mark.parametrize("stage", ["exported", "imported", "acknowledged"])
 def test_abort_at_every_stage_leaks_nothing(tiny: Checkpoint, stage: str) -> None:
     prompt = _prompt(10, 11, tiny.config.vocab_size)
-    a, tokens = _run_on_a(tiny, prompt, True, 3)
+    a, _tokens = _run_on_a(tiny, prompt, True, 3)
     b = _core(tiny)
     snapshot = a.export_request(RID)
     finals = []
@@ -352,7 +354,8 @@ def test_refusals_name_the_reason_and_the_request_resumes_on_a(tiny: Checkpoint)
     a, tokens = _run_on_a(tiny, prompt, True, 4)
     snapshot = a.export_request(RID)
     b = _core(tiny)
-    for field_, value, name in (("model", "another-model", "model"), ("kv_layout", "bfloat16:2x2x16", "layout")):
+    mismatches = (("model", "another-model", "model"), ("kv_layout", "bfloat16:2x2x16", "layout"))
+    for field_, value, name in mismatches:
         changed = wire.decode(wire.encode(snapshot))
         setattr(changed, field_, value)
         result = b.import_request(changed)
@@ -488,7 +491,7 @@ def test_times_rebase_and_salt_priority_and_fair_share_travel(tiny: Checkpoint) 
     clock_a, clock_b = FakeClock(), FakeClock()
     clock_b.now = 10**12  # another engine's clock: only ages mean anything across
     releases = Releases()
-    config = dict(block_size=BLOCK, num_blocks=40, enable_kv_events=True, policy="fair")
+    config = {"block_size": BLOCK, "num_blocks": 40, "enable_kv_events": True, "policy": "fair"}
     a = EngineCore(build_engine_config(str(tiny.path), **config), checkpoint=tiny, clock=clock_a,
                    observers=[releases])
     b = EngineCore(build_engine_config(str(tiny.path), **config), checkpoint=tiny, clock=clock_b)

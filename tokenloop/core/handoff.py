@@ -1,4 +1,4 @@
-"""Request handoff: one engine core exports a request (state + the KV blocks another lacks), another imports it.
+"""Request handoff: one engine core exports a request (state + missing KV blocks), another imports it.
 
 The protocol is a lease with acknowledgement. `export` pauses the request on the source (EXPORTING: the
 scheduler skips it, its blocks stay referenced) and returns a `KVSnapshot` carrying a lease. The
@@ -36,7 +36,7 @@ class KVBlockData:
 
     block_hash: int | None  # None for the partial tail block
     num_tokens: int
-    data: bytes  # K then V of each layer for the block's first num_tokens slots, the engine's KV dtype, C order
+    data: bytes  # K then V of each layer for the first num_tokens slots, in the engine's KV dtype, C order
     parent_hash: int | None = None  # the block before it in its chain: the destination's KV events name it
     token_ids: list[int] = field(default_factory=list)  # its tokens, for the same events
 
@@ -142,7 +142,7 @@ class HandoffStage:
                           self.kv.block_size, self.runner.kv_layout, computed, hashes, blocks, expires)
 
     def complete(self, lease_id: str) -> Request | None:
-        """The ack: the request leaves this engine (HANDED_OFF, references released); None if no such lease."""
+        """The ack: the request leaves (HANDED_OFF, references released); None if there is no such lease."""
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return None
@@ -208,7 +208,8 @@ class HandoffStage:
         if request is not None and reason is None:
             needed = self.kv.num_blocks_for(self.scheduler.max_kv_tokens(request))
             max_tokens = request.sampling_params.max_tokens
-            final_len = request.num_prompt_tokens + max_tokens if max_tokens is not None else request.num_tokens
+            final_len = (request.num_prompt_tokens + max_tokens if max_tokens is not None
+                         else request.num_tokens)
             if final_len > self.scheduler.max_model_len:  # it would stop short here: not the same request
                 reason = (f"no room: the request may grow to {final_len} tokens and this engine's context "
                           f"holds {self.scheduler.max_model_len}")
@@ -240,9 +241,12 @@ class HandoffStage:
     def store(self, blocks: list[KVBlockData]) -> int:
         """Put full blocks from elsewhere into the prefix cache, unreferenced (a pre-copy); how many."""
         full = [b for b in blocks if b.block_hash is not None and self._fits(b)]
-        return self.kv.store_cached([(b.block_hash, b.parent_hash, b.token_ids) for b in full],  # type: ignore
-                                    lambda block_id, i: self.runner.write_block(block_id, full[i].data,
-                                                                                full[i].num_tokens))
+        entries = [(b.block_hash, b.parent_hash, b.token_ids) for b in full if b.block_hash is not None]
+
+        def write(block_id: int, i: int) -> None:
+            self.runner.write_block(block_id, full[i].data, full[i].num_tokens)
+
+        return self.kv.store_cached(entries, write)
 
     def _fits(self, block: KVBlockData) -> bool:
         return len(block.data) == block.num_tokens * self.runner.kv_bytes_per_token
@@ -266,7 +270,8 @@ class HandoffStage:
             return "the snapshot claims more computed tokens than the request has"
         wrong = [b for b in snapshot.blocks if not self._fits(b)]
         if wrong:
-            return (f"a block carries {len(wrong[0].data)} bytes for {wrong[0].num_tokens} tokens; this engine "
+            block = wrong[0]
+            return (f"a block carries {len(block.data)} bytes for {block.num_tokens} tokens; this engine "
                     f"keeps {self.runner.kv_bytes_per_token} per token")
         return None
 
@@ -282,8 +287,9 @@ class HandoffStage:
         for token in state.output_token_ids:
             request.append_output_token(token)
         times = request.times
-        times.first_scheduled = None if state.first_scheduled_age_ns is None else now - state.first_scheduled_age_ns
-        times.first_token = None if state.first_token_age_ns is None else now - state.first_token_age_ns
+        scheduled_age, token_age = state.first_scheduled_age_ns, state.first_token_age_ns
+        times.first_scheduled = None if scheduled_age is None else now - scheduled_age
+        times.first_token = None if token_age is None else now - token_age
         times.token_times = [now - age for age in state.token_ages_ns]
         request.num_cached_tokens = state.num_cached_tokens
         request.num_preemptions = state.num_preemptions
@@ -301,7 +307,7 @@ class HandoffStage:
 
     def _adopt(self, snapshot: KVSnapshot, request: Request, plan: list[KVBlock | None],
                copies: dict[int, KVBlockData], tail: KVBlockData | None) -> ImportResult:
-        """RUNNING with every computed token's K/V: matched blocks touched, the rest written into fresh ones."""
+        """RUNNING with every computed token's K/V: matched blocks touched, the rest written to fresh ones."""
         request.num_computed_tokens = snapshot.num_computed_tokens
         written = [copies[h] for h, block in zip(snapshot.block_hashes, plan) if block is None]
         if tail is not None:
@@ -318,7 +324,7 @@ class HandoffStage:
 
     def _queue(self, snapshot: KVSnapshot, request: Request, plan: list[KVBlock | None],
                copies: dict[int, KVBlockData]) -> ImportResult:
-        """WAITING: what arrived goes to the prefix cache, admission finds it by hash and recomputes the rest."""
+        """WAITING: what arrived goes to the prefix cache; admission finds it by hash, recomputes the rest."""
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         try:

@@ -263,7 +263,8 @@ class Scheduler:
 
         Its next turn sends the runner its whole table, as an admission does."""
         if self.get_request(request.request_id) is not None:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use", param="request_id")
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use",
+                                      param="request_id")
         request.status = RequestStatus.RUNNING
         self._running[request.request_id] = request
         self._fresh_tables.add(request.request_id)
