@@ -324,6 +324,13 @@ def test_unknown_ids_raise(tiny: Checkpoint) -> None:
     with pytest.raises(InvalidRequestError, match="not unfinished"):
         a.precopy_blocks("nobody")
     assert not a.complete_export("nobody#1") and not a.resume_export("nobody#1")
+    a.add_requests([CoreRequest(RID, [1, 2, 3], _params(False), 0)])
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(InvalidRequestError, match="lease_s"):
+            a.export_request(RID, lease_s=bad)
+    assert a._requests[RID].status is RequestStatus.WAITING, "a refused export leaves it where it was"
+    a.finish_requests([RID])
+    _assert_clean(a)
 
 
 # ---- refusals --------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ them while the request keeps decoding (`precopy` / `store`) and the final export
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -122,18 +123,19 @@ class HandoffStage:
     def export(self, request: Request, skip_hashes: list[int], lease_s: float,
                num_prompt_logprobs_sent: int = 0) -> KVSnapshot:
         """Pause `request` (unfinished, not exporting) and describe it, with the blocks not in skip_hashes."""
-        if not lease_s > 0:
-            raise InvalidRequestError(f"lease_s must be > 0, got {lease_s}", param="lease_s")
+        if not 0 < lease_s < math.inf:
+            raise InvalidRequestError(f"lease_s must be a positive number of seconds, got {lease_s}",
+                                      param="lease_s")
         if request.status is RequestStatus.EXPORTING:
             raise InvalidRequestError(f"request {request.request_id!r} is already being exported",
                                       param="request_id")
-        self.scheduler.pause(request.request_id)
         now = self.clock()
         charge = self.scheduler.policy.charge(request)
         computed = request.num_computed_tokens
         num_full = computed // self.kv.block_size
         hashes = list(self.kv.block_hashes(request)[:num_full])
         blocks = self._block_data(request, computed, set(skip_hashes), with_tail=True)
+        self.scheduler.pause(request.request_id)  # after reading: a read that raises leaves it running
         self._num_leases += 1
         lease_id = f"{request.request_id}#{self._num_leases}"
         expires = now + int(lease_s * NS_PER_S)
