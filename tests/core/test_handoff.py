@@ -131,10 +131,10 @@ def _run_on_a(tiny: Checkpoint, prompt: list[int], seeded: bool, steps: int, max
                                                                   HealthCheck.too_slow])
 @given(length=st.integers(1, 14), seed=st.integers(0, 10_000), seeded=st.booleans(),
        steps=st.integers(0, 9), budget=st.sampled_from([3, 4, 7, 32]), warm=st.integers(0, 14),
-       skip_cached=st.booleans(), preempt=st.sampled_from(["none", "A", "B"]))
+       warm_live=st.booleans(), skip_cached=st.booleans(), preempt=st.sampled_from(["none", "A", "B"]))
 def test_handoff_continues_with_identical_tokens(tiny: Checkpoint, length: int, seed: int, seeded: bool,
-                                                 steps: int, budget: int, warm: int, skip_cached: bool,
-                                                 preempt: str) -> None:
+                                                 steps: int, budget: int, warm: int, warm_live: bool,
+                                                 skip_cached: bool, preempt: str) -> None:
     vocab = tiny.config.vocab_size
     prompt = _prompt(length, seed, vocab)
     expected = _reference(tiny, prompt, seeded)
@@ -153,8 +153,11 @@ def test_handoff_continues_with_identical_tokens(tiny: Checkpoint, length: int, 
         _step(a, tokens)
     b = _core(tiny, max_num_batched_tokens=max(3, 32 - budget), **(squeeze if preempt == "B" else {}))
     if warm:  # B already holds a prefix of the prompt (full blocks of its first `warm` tokens)
-        b.add_requests([CoreRequest("warm", prompt[:warm], _params(False, 1), 0)])
-        _drain(b, {})
+        b.add_requests([CoreRequest("warm", prompt[:warm], _params(False, 6 if warm_live else 1), 0)])
+        if warm_live:  # still running there: the handed request shares its blocks
+            _step(b, {})
+        else:
+            _drain(b, {})
     if preempt == "B":
         rival = CoreRequest("rival-b", _prompt(8, seed + 2, vocab), _params(False, 30), 0, priority=-1)
         b.add_requests([rival])
