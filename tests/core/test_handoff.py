@@ -12,6 +12,7 @@ import random
 import re
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -530,3 +531,19 @@ def test_times_rebase_and_salt_priority_and_fair_share_travel(tiny: Checkpoint) 
     assert info.num_kept_cached == len(snapshot.block_hashes) and info.num_freed == 1  # the partial tail
     _drain(b, {})
     _assert_clean(a, b)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_block_bytes_round_trip(tiny: Checkpoint, dtype: str) -> None:
+    runner = _core(tiny, dtype=dtype).runner
+    assert runner.kv_layout == f"{dtype}:2x2x16"  # the tiny model: 2 layers, 2 KV heads of 16
+    for key, value in runner.kv_caches:
+        key[3].normal_()
+        value[3].normal_()
+    data = runner.read_block(3, BLOCK)
+    assert len(data) == BLOCK * runner.kv_bytes_per_token
+    runner.write_block(5, data, BLOCK)
+    runner.write_block(6, runner.read_block(3, 2), 2)  # a partial tail: its first slots only
+    for key, value in runner.kv_caches:
+        assert torch.equal(key[5], key[3]) and torch.equal(value[5], value[3])
+        assert torch.equal(key[6, :2], key[3, :2]) and not key[6, 2:].any()
