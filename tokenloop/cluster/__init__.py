@@ -1,0 +1,1 @@
+"""Many engine cores behind one front door: replicas, routing, handoff."""
