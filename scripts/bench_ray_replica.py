@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import tempfile
 import time
@@ -34,12 +35,12 @@ def gaps_ms(engine: AsyncEngine, tokens: int) -> list[float]:
         times = []
         async for output in stream:
             times.extend([time.perf_counter()] * len(output.outputs[0].token_ids_delta))
-        return [(b - a) * 1e3 for a, b in zip(times[1:], times[2:])]  # from the second token on
+        return [(b - a) * 1e3 for a, b in itertools.pairwise(times[1:])]  # from the second token on
 
     return asyncio.run(main())
 
 
-def measure(name: str, make_client, config, tokenizer, tokens: int) -> None:  # noqa: ANN001
+def measure(name: str, make_client, config, tokenizer, tokens: int) -> None:
     began = time.perf_counter()
     client: CoreClient = make_client()
     startup_s = time.perf_counter() - began
@@ -50,10 +51,11 @@ def measure(name: str, make_client, config, tokenizer, tokens: int) -> None:  # 
     finally:
         engine.close()
     print(f"{name:>22}: startup {startup_s:6.2f} s; ITL median {statistics.median(gaps):.2f} ms, "
-          f"p90 {gaps[int(len(gaps) * 0.9)]:.2f} ms, mean {statistics.fmean(gaps):.2f} ms over {len(gaps)} gaps")
+          f"p90 {gaps[int(len(gaps) * 0.9)]:.2f} ms, mean {statistics.fmean(gaps):.2f} ms "
+          f"over {len(gaps)} gaps")
 
 
-def death_notice_ms(config, num_cpus: float) -> float:  # noqa: ANN001
+def death_notice_ms(config, num_cpus: float) -> float:
     """ray.kill on an idle actor -> its client's pollables wake and death() names it."""
     import ray
     import zmq
@@ -93,8 +95,8 @@ def main() -> None:
         print(f"{'ray.init (local)':>22}: {time.perf_counter() - began:6.2f} s")
         try:
             for attempt in ("first", "second"):
-                measure(f"Ray actor ({attempt})", lambda: RayCoreClient(config, num_cpus=args.num_cpus), config,
-                        tokenizer, args.tokens)
+                measure(f"Ray actor ({attempt})", lambda: RayCoreClient(config, num_cpus=args.num_cpus),
+                        config, tokenizer, args.tokens)
             death_notice_ms(config, args.num_cpus)
         finally:
             cluster.stop()

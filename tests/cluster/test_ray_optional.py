@@ -9,7 +9,7 @@ import pytest
 from tokenloop.errors import ConfigError
 
 
-def test_without_ray_the_module_imports_and_start_ray_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_ray_it_imports_and_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError, as if not installed
     for module in ("tokenloop.cluster.ray_replica", "tokenloop.cluster.ray_actor"):  # imported afresh
         monkeypatch.delitem(sys.modules, module, raising=False)

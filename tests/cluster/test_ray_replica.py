@@ -7,20 +7,21 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'tokenloop[ray]'")
 
-from tests.conftest import TINY_PROMPTS  # noqa: E402
-from tests.serving.conftest import make_engine  # noqa: E402
-from tests.serving.test_core_process import OPTIONS, _run  # noqa: E402
-from tokenloop.cluster.ray_replica import RayCluster, RayCoreClient, start_ray  # noqa: E402
-from tokenloop.errors import ConfigError, ModelLoadError, RequestFailedError  # noqa: E402
-from tokenloop.llm import build_engine_config  # noqa: E402
-from tokenloop.model.loader import Checkpoint  # noqa: E402
-from tokenloop.request import SamplingParams  # noqa: E402
-from tokenloop.serving.async_engine import AsyncEngine, RequestSpec  # noqa: E402
+from tests.conftest import TINY_PROMPTS
+from tests.serving.conftest import make_engine
+from tests.serving.test_core_process import OPTIONS, _run
+from tokenloop.cluster.ray_replica import RayCluster, RayCoreClient, start_ray
+from tokenloop.errors import ConfigError, ModelLoadError, RequestFailedError
+from tokenloop.llm import build_engine_config
+from tokenloop.model.loader import Checkpoint
+from tokenloop.request import SamplingParams
+from tokenloop.serving.async_engine import AsyncEngine, RequestSpec
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -96,23 +97,33 @@ def test_a_bad_model_fails_the_actor_start_with_the_reason(cluster: RayCluster, 
 def test_killing_an_actor_mid_stream_is_noticed_at_once_and_the_other_serves_on(
         replicas: list[AsyncEngine]) -> None:
     doomed, survivor = replicas
-    expected = _tokens(survivor, TINY_PROMPTS[:2])
-    long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+    client: RayCoreClient = doomed.client  # type: ignore[assignment]
+    steady = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    expected = _run(survivor, [RequestSpec("steady", TINY_PROMPTS[0], steady)])["steady"]
+    killed: list[float] = []
 
-    async def main() -> float:
+    async def doomed_stream() -> None:
+        long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
         stream = await doomed.add_requests([RequestSpec("long", "hello world", long)])
         with pytest.raises(RequestFailedError, match="replica 0") as failed:
             async for output in stream:
-                if output.outputs[0].token_ids_delta and not ray_killed:
-                    ray.kill(doomed.client.actor)  # type: ignore[attr-defined]
-                    ray_killed.append(time.monotonic())
+                if output.outputs[0].token_ids_delta and not killed:
+                    ray.kill(client.actor)
+                    killed.append(time.monotonic())
+        killed.append(time.monotonic())
         assert "died" in str(failed.value)
-        return time.monotonic() - ray_killed[0]
 
-    ray_killed: list[float] = []
-    took = asyncio.run(main())
+    async def main() -> list[Any]:
+        steady_stream = await survivor.add_requests([RequestSpec("steady", TINY_PROMPTS[0], steady)])
+        await doomed_stream()
+        return [output async for output in steady_stream]
+
+    steady_outputs = asyncio.run(main())
+    took = killed[1] - killed[0]
     assert took < 1.0, f"the stream took {took:.2f} s to fail after the actor was killed"
-    why = doomed.client.death()
-    assert why is not None and "replica 0" in why and doomed.client.actor_name in why  # type: ignore[attr-defined]
+    why = client.death()
+    assert why is not None and "replica 0" in why and client.actor_name in why
     assert doomed.crashed and not doomed.accepting
-    assert _tokens(survivor, TINY_PROMPTS[:2]) == expected
+    tokens = [t for output in steady_outputs for c in output.outputs for t in c.token_ids_delta]
+    assert tokens == [t for _, _, completions in expected for c in completions for t in c[2]]
+    assert survivor.accepting and _tokens(survivor, TINY_PROMPTS[:2])  # and it takes new work

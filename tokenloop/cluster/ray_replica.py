@@ -159,7 +159,7 @@ class RayCoreClient:
             why = f"{self.name} stopped (status {status})"
         except ray.exceptions.RayActorError as exc:
             why = f"{self.name} died: {_first_line(exc)}"
-        except Exception as exc:  # the core's step raised (the actor lives on), or Ray itself went away
+        except Exception as exc:  # noqa: BLE001 - the core's step raised (the actor lives), or Ray went away
             why = f"{self.name} failed: {type(exc).__name__}: {_first_line(exc)}"
         self._death = why
         self._died.set()
