@@ -94,6 +94,11 @@ def test_a_bad_model_fails_the_actor_start_with_the_reason(cluster: RayCluster, 
         RayCoreClient(build_engine_config(str(tmp_path), **OPTIONS), num_cpus=0, startup_timeout_s=60)
 
 
+def test_an_actor_the_node_cannot_fit_is_refused_at_once(cluster: RayCluster, tiny_model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="asks for 3 CPUs; this Ray node has 2"):
+        RayCoreClient(build_engine_config(str(tiny_model_dir), **OPTIONS), num_cpus=3)
+
+
 def test_killing_an_actor_mid_stream_is_noticed_at_once_and_the_other_serves_on(
         replicas: list[AsyncEngine]) -> None:
     doomed, survivor = replicas

@@ -137,7 +137,9 @@ class RayCoreClient:
         self._watcher: threading.Thread | None = None
         level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
         try:
-            here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+            node_id = ray.get_runtime_context().get_node_id()
+            _check_fits(ray, node_id, num_cpus)
+            here = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
             self.actor = ray.remote(CoreActor).options(
                 name=self.actor_name, num_cpus=num_cpus, max_restarts=0, scheduling_strategy=here).remote()
             self._serve_ref = self.actor.serve.remote(config, checkpoint, self._sockets.input_address,
@@ -205,6 +207,15 @@ class RayCoreClient:
             os.close(self._death_read)
             os.close(self._death_write)
         self._sockets.close()
+
+
+def _check_fits(ray: Any, node_id: str, num_cpus: float) -> None:
+    """ConfigError now, rather than a silent wait for the startup timeout, when this node can never fit
+    the actor (it may be busy with other actors: that one waits)."""
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    has = node["Resources"].get("CPU", 0.0) if node is not None else 0.0
+    if num_cpus > has:
+        raise ConfigError(f"an engine core actor asks for {num_cpus:g} CPUs; this Ray node has {has:g}")
 
 
 def _first_line(exc: BaseException) -> str:
