@@ -209,7 +209,7 @@ def test_a_dead_replica_fails_or_resumes_its_requests(tiny: Checkpoint, failover
     from tokenloop.cluster.launch import replica_config
 
     config = replica_config(build_engine_config(str(tiny.path), **OPTIONS))
-    clients = [_Killable(InProcessCoreClient(EngineCore(config, tiny))) for _ in range(2)]
+    clients = [_Killable(InProcessCoreClient(EngineCore(config, tiny), records_in_frames=True)) for _ in range(2)]
     replica_set = ReplicaSet(clients, make_router("round-robin", RouterConfig()),
                              LoadTracker(2, config.cache.block_size), failover=failover)
     engine = AsyncEngine(None, client=replica_set, config=config, tokenizer=tiny.tokenizer)

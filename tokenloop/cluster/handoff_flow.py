@@ -21,7 +21,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tokenloop.core.kv_cache import hash_block
+from tokenloop.core.kv_cache import block_hash_chain
 from tokenloop.core.messages import (
     CallResult,
     CoreFrame,
@@ -76,16 +76,6 @@ class HandoffStats:
                 "blocks_precopied": self.blocks_precopied, "tokens_recomputed": self.tokens_recomputed,
                 "pause_ms_p50": pauses[len(pauses) // 2] if pauses else None,
                 "pause_ms_max": pauses[-1] if pauses else None}
-
-
-def block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None) -> list[int]:
-    """The chained hashes of every full block of `token_ids`, exactly as the engines compute them."""
-    hashes: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size], cache_salt)
-        hashes.append(parent)
-    return hashes
 
 
 class HandoffFlow:
@@ -180,7 +170,7 @@ class HandoffFlow:
         tokens = [*owned.request.prompt_token_ids, *owned.output_token_ids]
         held = self.set.tracker.mirror(handoff.destination).hashes
         precopied = set(handoff.precopied_hashes)
-        return [h for h in block_hashes(tokens, self.set.info.block_size, owned.request.cache_salt)
+        return [h for h in block_hash_chain(tokens, self.set.info.block_size, owned.request.cache_salt)
                 if h in held or h in precopied]
 
     def _precopied(self, handoff: Handoff, result: CallResult) -> None:

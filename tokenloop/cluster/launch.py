@@ -61,7 +61,10 @@ def start_replica_set(config: EngineConfig, options: ClusterOptions, *,
                       checkpoint: Checkpoint | None = None, startup_timeout_s: float = 300.0) -> ReplicaSet:
     """Start every replica (in parallel), then the router over them; on failure, stop what started."""
     config = replica_config(config)
-    router = make_router(options.router, RouterConfig())
+    scheduler = config.scheduler
+    router = make_router(options.router, RouterConfig(
+        block_size=config.cache.block_size, max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        max_num_seqs=scheduler.max_num_seqs))
     closers: list[Callable[[], None]] = []
     make = _client_factory(config, options, checkpoint, startup_timeout_s, closers)
     clients: list[Any] = []
@@ -98,15 +101,14 @@ def _client_factory(config: EngineConfig, options: ClusterOptions, checkpoint: C
         from tokenloop.serving.core_client import InProcessCoreClient
 
         def in_process(index: int) -> Any:
-            return InProcessCoreClient(EngineCore(config, checkpoint))
+            return InProcessCoreClient(EngineCore(config, checkpoint), records_in_frames=True)
 
         return in_process
     if options.cluster == "ray":
         from tokenloop.cluster.ray_replica import RayCoreClient, start_ray
 
-        stop = start_ray(options.ray_address)
-        if stop is not None:
-            closers.append(stop)
+        ray_cluster = start_ray(options.ray_address)
+        closers.append(ray_cluster.stop)  # stops only a Ray instance this process started
 
         def ray_actor(index: int) -> Any:
             return RayCoreClient(config, checkpoint, replica=index, startup_timeout_s=startup_timeout_s)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloop.cluster.load import LoadTracker
-from tokenloop.cluster.router import Router, RouteRequest
+from tokenloop.cluster.router import Dispatcher, Router, RouteRequest
 
 from tokenloop.cluster.handoff_flow import HandoffFlow, HandoffStats
 from tokenloop.core.messages import (
@@ -145,6 +145,7 @@ class ReplicaSet:
         self.replicas = [Replica(i, c) for i, c in enumerate(clients)]
         self.router = router
         self.tracker = tracker
+        self.dispatcher = Dispatcher(router, tracker)  # routes, and counts the request where it went
         self.failover = failover
         self.prefill_replicas = prefill_replicas
         self._restart = restart
@@ -301,9 +302,8 @@ class ReplicaSet:
         requests = message.requests
         first = requests[0]
         try:
-            decision = self.router.route(
-                RouteRequest(first.request_id, first.prompt_token_ids, first.cache_salt, first.user),
-                self.tracker.views())
+            decision = self.dispatcher.dispatch(
+                RouteRequest(first.request_id, first.prompt_token_ids, first.cache_salt, first.user))
         except TokenloopError as exc:
             self._results.append(CallResult(message.call_id, None, error_to_wire(
                 exc if isinstance(exc, CapacityError) else CapacityError(str(exc), retry_after_s=1.0))))
@@ -313,7 +313,9 @@ class ReplicaSet:
                  "cached_tokens": decision.cached_tokens}
         for request in requests:
             self._owned[request.request_id] = OwnedRequest(request, index, route=route)
-            self.tracker.on_routed(index, request.request_id, len(request.prompt_token_ids))
+            if request is not first:  # the dispatcher counted the first; n > 1 samples share its prompt
+                self.tracker.on_routed(index, request.request_id, len(request.prompt_token_ids),
+                                       num_cached_tokens=decision.cached_tokens)
         self._adds[message.call_id] = (index, [r.request_id for r in requests])
         out.setdefault(index, []).append(message)
 
@@ -498,15 +500,14 @@ class ReplicaSet:
             request, prompt_token_ids=[*request.prompt_token_ids, *owned.output_token_ids],
             params=dataclasses.replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - done)))
         try:
-            decision = self.router.route(RouteRequest(request.request_id, resumed.prompt_token_ids,
-                                                      request.cache_salt, request.user), self.tracker.views())
+            decision = self.dispatcher.dispatch(RouteRequest(request.request_id, resumed.prompt_token_ids,
+                                                             request.cache_salt, request.user))
         except TokenloopError:
             return False
         index = decision.replica
         self._owned[request.request_id] = OwnedRequest(request, index, list(owned.output_token_ids),
                                                        route={**(owned.route or {}), "replica": index,
                                                               "resumed_from": owned.replica})
-        self.tracker.on_routed(index, request.request_id, len(resumed.prompt_token_ids))
 
         def accepted(result: CallResult) -> None:
             if result.error is None:

@@ -42,6 +42,16 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int], cache_salt: st
     return int.from_bytes(digest.digest()[:8], "little")
 
 
+def block_hash_chain(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                     parent_hash: int | None = None) -> list[int]:
+    """The chained hashes of every full block of `token_ids` (after `parent_hash`), as the pool keys them."""
+    hashes: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block(parent_hash, token_ids[start:start + block_size], cache_salt)
+        hashes.append(parent_hash)
+    return hashes
+
+
 @dataclass(eq=False)
 class KVBlock:
     """One physical block of `block_size` token slots.
@@ -591,12 +601,9 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         if len(hashes) >= num_full:
             return
-        parent = hashes[-1] if hashes else None
-        tokens = request.all_token_ids
         size = self.block_size
-        for i in range(len(hashes), num_full):
-            parent = hash_block(parent, tokens[i * size:(i + 1) * size], request.cache_salt)
-            hashes.append(parent)
+        hashes.extend(block_hash_chain(request.all_token_ids[len(hashes) * size:num_full * size], size,
+                                       request.cache_salt, hashes[-1] if hashes else None))
 
     def _publish_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
         num_full = num_tokens // self.block_size

@@ -281,6 +281,13 @@ class Tracer:
 
     def _record_releases(self, infos: list[ReleaseInfo]) -> None:
         for info in infos:
+            if info.status == "handed_off":  # it lives on in another replica: a transition, not an end
+                trace = self._live.get(info.request_id)
+                if trace is not None:
+                    trace.events.append(RequestEvent("handoff_released", info.end_ns, {
+                        "replica": info.replica, "blocks": len(info.block_ids),
+                        "kept_cached": info.num_kept_cached, "still_shared": info.num_still_shared}))
+                continue
             self.totals[_TOTAL_KEY.get(info.status, "finished")] += 1
             self.summaries.append(RequestSummary.of(info))
             trace = self._live.get(info.request_id)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import zmq
 
 from tokenloop.core import wire
-from tokenloop.core.core_loop import CoreLoop
+from tokenloop.core.core_loop import CoreLoop, RecordBuffer
 from tokenloop.core.messages import CoreFrame, CoreReady, InputMessage, Shutdown
 from tokenloop.errors import EngineStoppedError, ModelLoadError
 
@@ -67,9 +67,14 @@ class CoreClient(Protocol):
 class InProcessCoreClient:
     """The core on the caller's thread: `receive` runs one turn of its loop (one step when there is work)."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, *, records_in_frames: bool = False) -> None:
         self.core = core
-        self.loop = CoreLoop(core)  # no record buffer: the core's own observers see every record
+        buffer = None
+        if records_in_frames:  # as across a process boundary: the frames carry the records (a replica set)
+            buffer = RecordBuffer()
+            core.observers.add(buffer)
+        # Without a buffer the core's own observers see every record.
+        self.loop = CoreLoop(core, buffer)
         kv = core.kv_cache
         self.info = CoreInfo(core.max_model_len, core.vocab_size, kv.num_blocks, kv.block_size,
                              core.dtype_choice.describe(), os.getpid())
