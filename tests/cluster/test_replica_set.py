@@ -236,3 +236,62 @@ def test_a_dead_replica_fails_or_resumes_its_requests(tiny: Checkpoint, failover
         assert replica_set.replicas[0].alive is False
     finally:
         engine.close()
+
+
+def test_prefill_replicas_hand_every_request_to_the_decode_group(tiny: Checkpoint) -> None:
+    prompts = [SHARED + TINY_PROMPTS[0], TINY_PROMPTS[2], SHARED + TINY_PROMPTS[4]]
+    expected = _reference(tiny, prompts, 16)
+    engine = _cluster(tiny, replicas=3, prefill_replicas=1, router="cost")
+    try:
+        assert _run_all(engine, prompts, max_tokens=16) == expected
+        status = engine.utility_blocking("cluster_status")
+        assert status["handoffs"]["outcomes"].get("completed") == len(prompts), status
+        assert [r["role"] for r in status["replicas"]] == ["prefill", "decode", "decode"]
+        _assert_no_block_referenced(engine)
+    finally:
+        engine.close()
+
+
+def test_a_migrated_seeded_request_draws_the_same_tokens(tiny: Checkpoint) -> None:
+    from tokenloop.observe.records import HandoffRecord
+
+    class Handoffs:
+        def __init__(self) -> None:
+            self.records: list[HandoffRecord] = []
+
+        def on_handoff(self, record: HandoffRecord) -> None:
+            self.records.append(record)
+
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=48, ignore_eos=True,
+                            output_kind="delta")
+    prompt = SHARED + TINY_PROMPTS[2]
+    alone = _cluster(tiny, replicas=1)
+    try:
+        expected = asyncio.run(_collect(alone, "solo", prompt, seeded))
+    finally:
+        alone.close()
+    seen = Handoffs()
+    config = build_engine_config(str(tiny.path), **OPTIONS)
+    engine = AsyncEngine.with_replicas(config, ClusterOptions(replicas=2, cluster="inprocess",
+                                                              router="round-robin"),
+                                       checkpoint=tiny, observers=[seen])
+    try:
+        async def main() -> list[int]:
+            task = asyncio.create_task(_collect(engine, "moving", prompt, seeded))
+            while await engine.utility("num_steps") < 12:
+                await asyncio.sleep(0.005)
+            await engine.utility("cluster_migrate", "moving", 1)
+            return await task
+
+        assert asyncio.run(main()) == expected
+        events = [r.event for r in seen.records]
+        assert events[0] == "exporting" and events[-1] == "completed", events
+        imported = next(r for r in seen.records if r.event == "imported")
+        assert (imported.source, imported.destination) == (0, 1)
+        precopied = [r for r in seen.records if r.event == "precopied"]
+        # Pre-copy moved the full blocks while it decoded; the pause moved only what was left.
+        assert precopied and precopied[0].blocks_copied >= 1
+        assert imported.blocks_copied <= 2, seen.records
+        _assert_no_block_referenced(engine)
+    finally:
+        engine.close()
