@@ -17,7 +17,7 @@ from tokenloop.model.loader import Checkpoint
 from tokenloop.request import SamplingParams
 from tokenloop.serving.core_client import CoreProcessClient
 
-OPTIONS: dict[str, Any] = {"block_size": 4, "num_blocks": 64, "max_num_batched_tokens": 8}
+OPTIONS: dict[str, Any] = {"block_size": 4, "num_blocks": 128, "max_num_batched_tokens": 8}
 
 
 @pytest.fixture
@@ -33,24 +33,26 @@ def _wait(client: CoreProcessClient, call_id: int, tokens: dict[str, list[int]],
           finished: set[str]) -> CallResult:
     """Collect the client's outputs until the answer to `call_id` arrives."""
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for frame in client.receive():
+    answer = None
+    while answer is None and time.monotonic() < deadline:
+        for frame in client.receive():  # every frame, also those after the answer: they carry tokens
             for out in frame.outputs.outputs if frame.outputs is not None else []:
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.finished:
                     finished.add(out.request_id)
-            for result in frame.results:
-                if result.call_id == call_id:
-                    assert result.error is None, result.error
-                    return result
+            answer = next((r for r in frame.results if r.call_id == call_id), answer)
         time.sleep(0.001)
+    if answer is not None:
+        assert answer.error is None, answer.error
+        return answer
     raise AssertionError(f"no answer to call {call_id}")
 
 
 def test_a_request_moves_between_engine_processes(two_cores: tuple[CoreProcessClient, CoreProcessClient],
                                                   tiny: Checkpoint) -> None:
     a, b = two_cores
-    params = SamplingParams(temperature=1.0, seed=99, max_tokens=40, ignore_eos=True)
+    # Long enough that the core, stepping on its own, is still at it when the export arrives.
+    params = SamplingParams(temperature=1.0, seed=99, max_tokens=300, ignore_eos=True)
     prompt = tiny.tokenizer.encode("a somewhat longer prompt that spans several blocks of the tiny cache")
     alone = EngineCore(build_engine_config(str(tiny.path), **OPTIONS), checkpoint=tiny)
     alone.add_requests([CoreRequest("r", prompt, params, 0)])

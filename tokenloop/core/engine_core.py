@@ -244,11 +244,7 @@ class EngineCore:
                        lease_s: float = 30.0) -> KVSnapshot:
         """Pause the request (EXPORTING, blocks kept) and snapshot it with the blocks not in skip_hashes;
         InvalidRequestError for an unknown, finished or already exporting id."""
-        request = self._requests.get(request_id)
-        if request is None:
-            raise InvalidRequestError(f"request {request_id!r} is not unfinished in this engine",
-                                      param="request_id")
-        return self.handoffs.export(request, list(skip_hashes), lease_s,
+        return self.handoffs.export(self._unfinished(request_id), list(skip_hashes), lease_s,
                                     self._prompt_logprobs_sent.get(request_id, 0))
 
     def import_request(self, snapshot: KVSnapshot) -> ImportResult:
@@ -279,15 +275,18 @@ class EngineCore:
 
     def precopy_blocks(self, request_id: str, skip_hashes: Sequence[int] = ()) -> list[KVBlockData]:
         """The request's computed full blocks not in skip_hashes, without pausing it (live migration)."""
-        request = self._requests.get(request_id)
-        if request is None:
-            raise InvalidRequestError(f"request {request_id!r} is not unfinished in this engine",
-                                      param="request_id")
-        return self.handoffs.precopy(request, list(skip_hashes))
+        return self.handoffs.precopy(self._unfinished(request_id), list(skip_hashes))
 
     def import_blocks(self, blocks: Sequence[KVBlockData]) -> int:
         """Store full blocks in the prefix cache, unreferenced and reusable; how many were new here."""
         return self.handoffs.store(list(blocks))
+
+    def _unfinished(self, request_id: str) -> Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise InvalidRequestError(f"request {request_id!r} is not unfinished in this engine",
+                                      param="request_id")
+        return request
 
     # ---- KV events: a consumer that missed batches catches up or resyncs ---------------------------
 
