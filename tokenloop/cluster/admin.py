@@ -60,20 +60,28 @@ def undrain(replicas: ReplicaSet, index: int) -> dict[str, Any]:
     return {"replica": index, "admitting": True}
 
 
-def migrate(replicas: ReplicaSet, request_id: str, destination: int) -> dict[str, Any]:
-    """Move a running request (each of its samples when n > 1) to replica `destination`: live migration,
-    pre-copy of its full blocks while it decodes, then a short pause for the tail."""
+def migrate(replicas: ReplicaSet, request_id: str, destination: int | None = None) -> dict[str, Any]:
+    """Move a running request (each of its samples when n > 1) to replica `destination` (default: the
+    least loaded other live replica): live migration, pre-copy of its full blocks while it decodes, then
+    a short pause for the tail."""
     from tokenloop.cluster.replica_set import ClusterError
 
-    replicas.replica(destination)
+    if destination is not None:
+        replicas.replica(destination)
     ids = [request_id] if replicas.owned(request_id) is not None else [
-        rid for rid in list(replicas._owned) if rid.startswith(f"{request_id}#")]
+        rid for rid in replicas.request_ids() if rid.startswith(f"{request_id}#")]
     if not ids:
         raise ClusterError(f"request {request_id!r} is not running in this cluster", status=404)
     moved = []
     for core_id in ids:
-        handoff = replicas.handoffs.start(core_id, destination, "migrate")
-        moved.append({"request_id": core_id, "source": handoff.source, "destination": destination})
+        target = destination
+        if target is None:
+            source = replicas.owner(core_id)
+            target = replicas.handoffs.least_loaded(i for i in range(len(replicas.replicas)) if i != source)
+            if target is None:
+                raise ClusterError("no other live replica to migrate to")
+        handoff = replicas.handoffs.start(core_id, target, "migrate")
+        moved.append({"request_id": core_id, "source": handoff.source, "destination": target})
     return {"moving": moved}
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -119,7 +120,7 @@ class HandoffFlow:
             return
         if request_id in self.in_flight or request_id in self._handed_off:
             return
-        destination = self._least_loaded(range(k, len(self.set.replicas)))
+        destination = self.least_loaded(range(k, len(self.set.replicas)))
         if destination is not None:
             self._handed_off.add(request_id)
             self.start(request_id, destination, "disaggregation")
@@ -195,6 +196,7 @@ class HandoffFlow:
         if owned is None:
             return
         handoff.stage, handoff.paused_ns = "export", self.set.clock()
+        self._record(handoff, "paused")  # the request's stream stops here until it is imported
         self.set.call(handoff.source, "export_request",
                       [handoff.request_id, self._skip(handoff, owned), self.lease_s],
                       lambda result: self._exported(handoff, result))
@@ -269,7 +271,8 @@ class HandoffFlow:
             self.set.call(handoff.source, "resume_export", [handoff.lease_id], lambda _: None)
         self._record(handoff, "refused", reason)
 
-    def _least_loaded(self, indices: range) -> int | None:
+    def least_loaded(self, indices: Iterable[int]) -> int | None:
+        """The alive replica among `indices` with the fewest running and waiting requests."""
         views = {v.index: v for v in self.set.tracker.views()}
         alive = [i for i in indices if self.set.replicas[i].alive]
         if not alive:

@@ -36,6 +36,7 @@ class ClusterOptions:
     prefill_replicas: int = 0  # > 0: the first K replicas prefill, the rest decode (handoff after prefill)
     ray_address: str | None = None
     lease_s: float = 30.0
+    precopy: bool = True  # live migration copies full blocks while the request decodes, then the tail
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -83,7 +84,8 @@ def start_replica_set(config: EngineConfig, options: ClusterOptions, *,
         tracker = LoadTracker(options.replicas, block_size)
         replica_set = ReplicaSet(clients, router, tracker, failover=options.failover,
                                  restart=make if options.restart else None,
-                                 prefill_replicas=options.prefill_replicas, lease_s=options.lease_s)
+                                 prefill_replicas=options.prefill_replicas, lease_s=options.lease_s,
+                                 precopy=options.precopy)
     except BaseException:
         for client in clients:
             client.close(1.0)

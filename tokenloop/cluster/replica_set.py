@@ -126,7 +126,7 @@ class ReplicaSet:
 
     def __init__(self, clients: Sequence[Any], router: Router, tracker: LoadTracker, *,
                  failover: str = "fail", restart: Callable[[int], Any] | None = None,
-                 prefill_replicas: int = 0, lease_s: float = 30.0) -> None:
+                 prefill_replicas: int = 0, lease_s: float = 30.0, precopy: bool = True) -> None:
         if not clients:
             raise ValueError("a replica set needs at least one core client")
         if failover not in FAILOVER_MODES:
@@ -162,7 +162,7 @@ class ReplicaSet:
         self._restart_lock = threading.Lock()
         self._wake_read, self._wake_write = os.pipe()  # a restart thread wakes the front end's poller
         os.set_blocking(self._wake_read, False)
-        self.handoffs = HandoffFlow(self, lease_s=lease_s)
+        self.handoffs = HandoffFlow(self, lease_s=lease_s, precopy=precopy)
         self._closed = False
         self.on_close: list[Callable[[], None]] = []  # run after every replica closed (stop Ray we started)
         for replica in self.replicas:
@@ -264,6 +264,9 @@ class ReplicaSet:
 
     def owned(self, request_id: str) -> OwnedRequest | None:
         return self._owned.get(request_id)
+
+    def request_ids(self) -> list[str]:
+        return list(self._owned)
 
     def requests_on(self, index: int) -> list[str]:
         return [rid for rid, owned in self._owned.items() if owned.replica == index]

@@ -167,8 +167,9 @@ class ArrivalRecord:
 
 @dataclass(slots=True)
 class HandoffRecord:
-    """One transition of a request's handoff between replicas: exporting, in_transit, imported, completed
-    (resumed on the destination), refused (resumed on the source), cancelled, failed, finished."""
+    """One transition of a request's handoff between replicas: exporting (pre-copy starts), precopied,
+    paused (the export: its stream stops), in_transit, imported (it runs on the destination), completed
+    (the source released it), refused (it resumed on the source), cancelled, failed, finished."""
 
     request_id: str
     event: str

@@ -3,7 +3,7 @@
     GET  /admin/replicas                    each replica's state, the router, handoff counts
     POST /admin/replicas/{index}/drain      admit nothing new there; its running requests move to the others
     POST /admin/replicas/{index}/undrain    admit work there again
-    POST /admin/requests/{request_id}/migrate?to=K   move one running request to replica K
+    POST /admin/requests/{request_id}/migrate[?to=K]  move a running request (to K, or the least loaded)
 
 They call the replica set's own calls (`tokenloop.cluster.admin`) on the engine thread.
 """
@@ -50,7 +50,7 @@ def make_admin_router(get_engine: Callable[[], Any]) -> APIRouter:
         return await cluster_call("cluster_undrain", replica_index(index))
 
     @router.post("/requests/{request_id}/migrate")
-    async def migrate(request_id: str, to: str) -> JSONResponse:
-        return await cluster_call("cluster_migrate", request_id, replica_index(to))
+    async def migrate(request_id: str, to: str | None = None) -> JSONResponse:
+        return await cluster_call("cluster_migrate", request_id, None if to is None else replica_index(to))
 
     return router
