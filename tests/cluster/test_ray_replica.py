@@ -4,6 +4,10 @@ calls, a killed actor noticed at once while the other keeps serving, and an unre
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +27,7 @@ from tokenloop.model.loader import Checkpoint
 from tokenloop.request import SamplingParams
 from tokenloop.serving.async_engine import AsyncEngine, RequestSpec
 
+REPO = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -62,6 +67,58 @@ def test_an_unreachable_ray_address_fails_fast_naming_it() -> None:
     assert time.monotonic() - began < 5.0
     with pytest.raises(ConfigError, match="not host:port"):
         start_ray("nowhere", connect_timeout_s=1.0)
+
+
+_HEAD = """
+import sys, ray
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+print(ray.get_runtime_context().gcs_address.rsplit(":", 1)[1], flush=True)
+sys.stdin.read()  # until the test closes it
+ray.shutdown()
+"""
+
+_JOINER = """
+import json, sys
+from tests.cluster.test_ray_replica import OPTIONS, _tokens
+from tokenloop.cluster.ray_replica import RayCoreClient, start_ray
+from tokenloop.llm import build_engine_config
+from tokenloop.model.loader import load_model_info
+from tokenloop.serving.async_engine import AsyncEngine
+cluster = start_ray(sys.argv[1])
+config = build_engine_config(sys.argv[2], **OPTIONS)
+client = RayCoreClient(config, replica=7, startup_timeout_s=120)
+engine = AsyncEngine(None, client=client, config=config, tokenizer=load_model_info(sys.argv[2]).tokenizer)
+print(json.dumps([cluster.initialized_here, _tokens(engine, sys.argv[3:])]), flush=True)
+engine.close()
+cluster.stop()
+"""
+
+
+def test_a_server_joins_a_running_cluster_by_its_address(tiny_model_dir: Path, tiny: Checkpoint) -> None:
+    """A head started elsewhere (its own process, as `ray start --head` would be) and a driver that joins it
+    by the address a user would type on this host."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    head = subprocess.Popen([sys.executable, "-c", _HEAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        port = int(head.stdout.readline())  # type: ignore[union-attr]
+        command = [sys.executable, "-c", _JOINER, f"127.0.0.1:{port}", str(tiny_model_dir), *TINY_PROMPTS[:2]]
+        joined = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
+                                env={**env, "RAY_AUTH_MODE": "token"})  # the head made a token: use it
+        assert joined.returncode == 0, joined.stderr[-2000:]
+        initialized_here, tokens = json.loads(joined.stdout.splitlines()[-1])
+    finally:
+        head.stdin.close()  # type: ignore[union-attr]
+        try:
+            head.wait(30)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+    local = AsyncEngine(make_engine(tiny, **OPTIONS))
+    try:
+        assert initialized_here and tokens == _tokens(local, TINY_PROMPTS[:2])
+    finally:
+        local.close()
 
 
 def test_actors_give_the_in_process_cores_greedy_tokens(replicas: list[AsyncEngine],

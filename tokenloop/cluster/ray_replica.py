@@ -82,7 +82,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, *, connec
     try:
         ray.init(address=address, log_to_driver=log_to_driver)
     except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError for a bad address
-        raise ConfigError(f"cannot join the Ray cluster at --ray-address {address}: {exc}") from exc
+        raise ConfigError(f"cannot join the Ray cluster at --ray-address {address}: {_reasons(exc)}") from exc
     return RayCluster(address, initialized_here=True)
 
 
@@ -216,6 +216,19 @@ def _check_fits(ray: Any, node_id: str, num_cpus: float) -> None:
     has = node["Resources"].get("CPU", 0.0) if node is not None else 0.0
     if num_cpus > has:
         raise ConfigError(f"an engine core actor asks for {num_cpus:g} CPUs; this Ray node has {has:g}")
+
+
+def _reasons(exc: BaseException) -> str:
+    """The first line of an exception and of each cause under it: Ray's own reason (a missing auth token:
+    set RAY_AUTH_MODE=token) hides below a generic "Failed to connect"."""
+    lines: list[str] = []
+    cause: BaseException | None = exc
+    while cause is not None and len(lines) < 4:
+        line = _first_line(cause)
+        if line not in lines:
+            lines.append(line)
+        cause = cause.__cause__
+    return "; ".join(reversed(lines))
 
 
 def _first_line(exc: BaseException) -> str:
