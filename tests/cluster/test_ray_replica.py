@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,12 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'toke
 from tests.conftest import TINY_PROMPTS
 from tests.serving.conftest import make_engine
 from tests.serving.test_core_process import OPTIONS, _run
-from tokenloop.cluster.ray_replica import RayCluster, RayCoreClient, start_ray
+from tokenloop.cluster.ray_replica import (
+    RayCluster,
+    RayCoreClient,
+    check_head,
+    start_ray,
+)
 from tokenloop.errors import ConfigError, ModelLoadError, RequestFailedError
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
@@ -67,6 +74,27 @@ def test_an_unreachable_ray_address_fails_fast_naming_it() -> None:
     assert time.monotonic() - began < 5.0
     with pytest.raises(ConfigError, match="not host:port"):
         start_ray("nowhere", connect_timeout_s=1.0)
+
+
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.1 400 Bad Request\r\n\r\n"], ids=["silent", "http1"])
+def test_a_port_that_answers_but_not_as_a_ray_head_is_refused_fast(answer: bytes | None) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def serve() -> None:
+            connection, _ = listener.accept()
+            with connection:
+                if answer is not None:
+                    connection.sendall(answer)
+                else:
+                    connection.recv(100)
+                    time.sleep(1.5)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        began = time.monotonic()
+        with pytest.raises(OSError):
+            check_head("127.0.0.1", listener.getsockname()[1], timeout_s=0.5)
+        assert time.monotonic() - began < 2.0
+        thread.join(5)
 
 
 _HEAD = """

@@ -88,21 +88,43 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, *, connec
 
 def _probe(address: str, timeout_s: float) -> None:
     host, _, port = address.rpartition(":")
+    host = host.strip("[]")
     if not host or not port.isdigit():
         raise ConfigError(f"--ray-address {address} is not host:port (the Ray head's GCS address)")
-    # Ray connects to a loopback address through this host's node IP; either answering will do.
-    hosts = [host.strip("[]")]
-    if host in ("127.0.0.1", "localhost"):
-        hosts.append(import_ray().util.get_node_ip_address())
-    errors = []
-    for candidate in hosts:
-        try:
-            with socket.create_connection((candidate, int(port)), timeout=timeout_s):
-                return
-        except OSError as exc:
-            errors.append(f"{candidate}:{port}: {exc}")
-    raise ConfigError(f"cannot reach the Ray cluster at --ray-address {address} "
-                      f"({'; '.join(errors)}): is `ray start --head` running there?")
+    if host in ("localhost", "127.0.0.1", "::1"):
+        host = import_ray().util.get_node_ip_address()  # where Ray itself connects for a loopback address
+    try:
+        check_head(host, int(port), timeout_s)
+    except OSError as exc:
+        raise ConfigError(f"cannot reach the Ray cluster at --ray-address {address} ({host}:{port}: {exc}): "
+                          "is `ray start --head` running there?") from exc
+
+
+# An HTTP/2 client's preface and an empty SETTINGS frame: a gRPC server (Ray's GCS) answers with SETTINGS.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_HTTP2_SETTINGS = 4
+
+
+def check_head(host: str, port: int, timeout_s: float) -> None:
+    """OSError unless a gRPC server (a Ray head's GCS) answers at host:port within `timeout_s`.
+
+    Ray's own connect retries for minutes where nothing answers, and as long where something that is not
+    Ray does (the dashboard's port is a common slip). With TLS on (RAY_USE_TLS) only the port is checked.
+    """
+    with socket.create_connection((host, port), timeout=timeout_s) as connection:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return
+        connection.settimeout(timeout_s)
+        connection.sendall(_HTTP2_PREFACE)
+        header = b""
+        while len(header) < 9:
+            chunk = connection.recv(9 - len(header))
+            if not chunk:
+                break
+            header += chunk
+    if len(header) < 9 or header[3] != _HTTP2_SETTINGS:
+        raise OSError("something answers there, but not a Ray head (no gRPC): the head's GCS port "
+                      "(6379 by default), not the dashboard's?")
 
 
 class RayCoreClient:
