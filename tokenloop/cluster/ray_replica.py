@@ -69,7 +69,9 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, *, connec
     with `num_cpus` CPUs when there is none. Reuses a Ray already initialized in this process.
 
     An address where nothing answers fails within `connect_timeout_s` with ConfigError naming it: Ray's
-    own connect retries for minutes, so the head's port is probed first.
+    own connect retries for minutes, so the head's port is probed first. A head that `ray.init` or
+    `ray start` made on this Ray version uses token authentication: a joining server needs
+    RAY_AUTH_MODE=token and the head's token (~/.ray/auth_token or RAY_AUTH_TOKEN), or Ray refuses it.
     """
     ray = import_ray()
     if address not in (None, "auto") and not address.startswith("ray://"):
