@@ -184,6 +184,14 @@ def test_an_actor_the_node_cannot_fit_is_refused_at_once(cluster: RayCluster, ti
         RayCoreClient(build_engine_config(str(tiny_model_dir), **OPTIONS), num_cpus=3)
 
 
+def test_an_actor_whose_cpus_are_taken_is_refused(replicas: list[AsyncEngine], tiny_model_dir: Path) -> None:
+    """The node has 2 CPUs, so 2 fit it, but the replicas hold at least one of them."""
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match=r"not placed in 2 s: it asks for 2 CPUs and Ray has [01] of 2 free"):
+        RayCoreClient(build_engine_config(str(tiny_model_dir), **OPTIONS), num_cpus=2, placement_timeout_s=2)
+    assert time.monotonic() - began < 10
+
+
 def test_killing_an_actor_mid_stream_is_noticed_at_once_and_the_other_serves_on(
         replicas: list[AsyncEngine]) -> None:
     doomed, survivor = replicas

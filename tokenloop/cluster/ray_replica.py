@@ -135,11 +135,12 @@ class RayCoreClient:
     Placement: the actor asks for `num_cpus` CPUs (its torch threads follow: Ray sets OMP_NUM_THREADS to
     it) and is pinned to this process's node, because the frames travel over ipc:// sockets on this host.
     Ray must be initialized (`start_ray`). The constructor returns once the core is ready, or raises
-    ModelLoadError with the core's reason, or EngineStoppedError if the actor died or stayed silent.
+    ConfigError if the actor cannot be placed (in `placement_timeout_s`), ModelLoadError with the core's
+    reason, or EngineStoppedError if the actor died or stayed silent for `startup_timeout_s`.
     """
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None, *, replica: int = 0,
-                 num_cpus: float = 1.0, startup_timeout_s: float = 300.0,
+                 num_cpus: float = 1.0, startup_timeout_s: float = 300.0, placement_timeout_s: float = 60.0,
                  log_level: int | None = None) -> None:
         ray = import_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -166,6 +167,7 @@ class RayCoreClient:
             here = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
             self.actor = ray.remote(CoreActor).options(
                 name=self.actor_name, num_cpus=num_cpus, max_restarts=0, scheduling_strategy=here).remote()
+            self._wait_placed(num_cpus, placement_timeout_s)
             self._serve_ref = self.actor.serve.remote(config, checkpoint, self._sockets.input_address,
                                                       self._sockets.output_address, level)
             self._watcher = threading.Thread(target=self._watch, name=f"{self.actor_name}-watcher",
@@ -175,6 +177,18 @@ class RayCoreClient:
         except BaseException:
             self.close(timeout_s=1.0)
             raise
+
+    def _wait_placed(self, num_cpus: float, timeout_s: float) -> None:
+        """ConfigError if the actor is not running within `timeout_s`: Ray holds an actor whose CPUs are
+        all taken (more replicas than the node has CPUs) pending without a word."""
+        ray = self._ray
+        ready, _ = ray.wait([self.actor.pid.remote()], timeout=timeout_s)
+        if not ready:
+            free = ray.available_resources().get("CPU", 0.0)
+            total = ray.cluster_resources().get("CPU", 0.0)
+            raise ConfigError(f"{self.name} was not placed in {timeout_s:g} s: it asks for {num_cpus:g} "
+                              f"CPUs and Ray has {free:g} of {total:g} free (other actors hold the rest): give "
+                              "Ray more CPUs or ask for fewer per replica")
 
     def _watch(self) -> None:
         """Wait for `serve` to end, however it ends; record why and wake the front end's poller."""
