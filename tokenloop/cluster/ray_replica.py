@@ -187,8 +187,8 @@ class RayCoreClient:
             free = ray.available_resources().get("CPU", 0.0)
             total = ray.cluster_resources().get("CPU", 0.0)
             raise ConfigError(f"{self.name} was not placed in {timeout_s:g} s: it asks for {num_cpus:g} "
-                              f"CPUs and Ray has {free:g} of {total:g} free (other actors hold the rest): give "
-                              "Ray more CPUs or ask for fewer per replica")
+                              f"CPUs and Ray has {free:g} of {total:g} free (other actors hold the rest): "
+                              "give Ray more CPUs or ask for fewer per replica")
 
     def _watch(self) -> None:
         """Wait for `serve` to end, however it ends; record why and wake the front end's poller."""
