@@ -69,7 +69,9 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, *, connec
     with `num_cpus` CPUs when there is none. Reuses a Ray already initialized in this process.
 
     An address where nothing answers fails within `connect_timeout_s` with ConfigError naming it: Ray's
-    own connect retries for minutes, so the head's port is probed first.
+    own connect retries for minutes, so the head's port is probed first. A head that `ray.init` or
+    `ray start` made on this Ray version uses token authentication: a joining server needs
+    RAY_AUTH_MODE=token and the head's token (~/.ray/auth_token or RAY_AUTH_TOKEN), or Ray refuses it.
     """
     ray = import_ray()
     if address not in (None, "auto") and not address.startswith("ray://"):
@@ -82,27 +84,49 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, *, connec
     try:
         ray.init(address=address, log_to_driver=log_to_driver)
     except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError for a bad address
-        raise ConfigError(f"cannot join the Ray cluster at --ray-address {address}: {exc}") from exc
+        raise ConfigError(f"cannot join the Ray cluster at --ray-address {address}: {_reasons(exc)}") from exc
     return RayCluster(address, initialized_here=True)
 
 
 def _probe(address: str, timeout_s: float) -> None:
     host, _, port = address.rpartition(":")
+    host = host.strip("[]")
     if not host or not port.isdigit():
         raise ConfigError(f"--ray-address {address} is not host:port (the Ray head's GCS address)")
-    # Ray connects to a loopback address through this host's node IP; either answering will do.
-    hosts = [host.strip("[]")]
-    if host in ("127.0.0.1", "localhost"):
-        hosts.append(import_ray().util.get_node_ip_address())
-    errors = []
-    for candidate in hosts:
-        try:
-            with socket.create_connection((candidate, int(port)), timeout=timeout_s):
-                return
-        except OSError as exc:
-            errors.append(f"{candidate}:{port}: {exc}")
-    raise ConfigError(f"cannot reach the Ray cluster at --ray-address {address} "
-                      f"({'; '.join(errors)}): is `ray start --head` running there?")
+    if host in ("localhost", "127.0.0.1", "::1"):
+        host = import_ray().util.get_node_ip_address()  # where Ray itself connects for a loopback address
+    try:
+        check_head(host, int(port), timeout_s)
+    except OSError as exc:
+        raise ConfigError(f"cannot reach the Ray cluster at --ray-address {address} ({host}:{port}: {exc}): "
+                          "is `ray start --head` running there?") from exc
+
+
+# An HTTP/2 client's preface and an empty SETTINGS frame: a gRPC server (Ray's GCS) answers with SETTINGS.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_HTTP2_SETTINGS = 4
+
+
+def check_head(host: str, port: int, timeout_s: float) -> None:
+    """OSError unless a gRPC server (a Ray head's GCS) answers at host:port within `timeout_s`.
+
+    Ray's own connect retries for minutes where nothing answers, and as long where something that is not
+    Ray does (the dashboard's port is a common slip). With TLS on (RAY_USE_TLS) only the port is checked.
+    """
+    with socket.create_connection((host, port), timeout=timeout_s) as connection:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return
+        connection.settimeout(timeout_s)
+        connection.sendall(_HTTP2_PREFACE)
+        header = b""
+        while len(header) < 9:
+            chunk = connection.recv(9 - len(header))
+            if not chunk:
+                break
+            header += chunk
+    if len(header) < 9 or header[3] != _HTTP2_SETTINGS:
+        raise OSError("something answers there, but not a Ray head (no gRPC): the head's GCS port "
+                      "(6379 by default), not the dashboard's?")
 
 
 class RayCoreClient:
@@ -111,11 +135,12 @@ class RayCoreClient:
     Placement: the actor asks for `num_cpus` CPUs (its torch threads follow: Ray sets OMP_NUM_THREADS to
     it) and is pinned to this process's node, because the frames travel over ipc:// sockets on this host.
     Ray must be initialized (`start_ray`). The constructor returns once the core is ready, or raises
-    ModelLoadError with the core's reason, or EngineStoppedError if the actor died or stayed silent.
+    ConfigError if the actor cannot be placed (in `placement_timeout_s`), ModelLoadError with the core's
+    reason, or EngineStoppedError if the actor died or stayed silent for `startup_timeout_s`.
     """
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None, *, replica: int = 0,
-                 num_cpus: float = 1.0, startup_timeout_s: float = 300.0,
+                 num_cpus: float = 1.0, startup_timeout_s: float = 300.0, placement_timeout_s: float = 60.0,
                  log_level: int | None = None) -> None:
         ray = import_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -142,6 +167,7 @@ class RayCoreClient:
             here = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
             self.actor = ray.remote(CoreActor).options(
                 name=self.actor_name, num_cpus=num_cpus, max_restarts=0, scheduling_strategy=here).remote()
+            self._wait_placed(num_cpus, placement_timeout_s)
             self._serve_ref = self.actor.serve.remote(config, checkpoint, self._sockets.input_address,
                                                       self._sockets.output_address, level)
             self._watcher = threading.Thread(target=self._watch, name=f"{self.actor_name}-watcher",
@@ -151,6 +177,18 @@ class RayCoreClient:
         except BaseException:
             self.close(timeout_s=1.0)
             raise
+
+    def _wait_placed(self, num_cpus: float, timeout_s: float) -> None:
+        """ConfigError if the actor is not running within `timeout_s`: Ray holds an actor whose CPUs are
+        all taken (more replicas than the node has CPUs) pending without a word."""
+        ray = self._ray
+        ready, _ = ray.wait([self.actor.pid.remote()], timeout=timeout_s)
+        if not ready:
+            free = ray.available_resources().get("CPU", 0.0)
+            total = ray.cluster_resources().get("CPU", 0.0)
+            raise ConfigError(f"{self.name} was not placed in {timeout_s:g} s: it asks for {num_cpus:g} "
+                              f"CPUs and Ray has {free:g} of {total:g} free (other actors hold the rest): "
+                              "give Ray more CPUs or ask for fewer per replica")
 
     def _watch(self) -> None:
         """Wait for `serve` to end, however it ends; record why and wake the front end's poller."""
@@ -216,6 +254,19 @@ def _check_fits(ray: Any, node_id: str, num_cpus: float) -> None:
     has = node["Resources"].get("CPU", 0.0) if node is not None else 0.0
     if num_cpus > has:
         raise ConfigError(f"an engine core actor asks for {num_cpus:g} CPUs; this Ray node has {has:g}")
+
+
+def _reasons(exc: BaseException) -> str:
+    """The first line of an exception and of each cause under it: Ray's own reason (a missing auth token:
+    set RAY_AUTH_MODE=token) hides below a generic "Failed to connect"."""
+    lines: list[str] = []
+    cause: BaseException | None = exc
+    while cause is not None and len(lines) < 4:
+        line = _first_line(cause)
+        if line not in lines:
+            lines.append(line)
+        cause = cause.__cause__
+    return "; ".join(reversed(lines))
 
 
 def _first_line(exc: BaseException) -> str:
