@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -109,7 +110,10 @@ def _client_factory(config: EngineConfig, options: ClusterOptions, checkpoint: C
     if options.cluster == "ray":
         from tokenloop.cluster.ray_replica import RayCoreClient, start_ray
 
-        ray_cluster = start_ray(options.ray_address)
+        # A local instance gets at least one CPU per replica (each actor asks for one): on a small machine
+        # the replicas share the cores, as local processes would, instead of waiting to be placed.
+        num_cpus = None if options.ray_address else max(os.cpu_count() or 1, options.replicas)
+        ray_cluster = start_ray(options.ray_address, num_cpus)
         closers.append(ray_cluster.stop)  # stops only a Ray instance this process started
 
         def ray_actor(index: int) -> Any:
