@@ -209,7 +209,8 @@ def admission_wait_s(load: ReplicaLoad, blocks_needed: int, config: RouterConfig
         step = load.costs.step_s + load.num_running * load.costs.decode_row_s
         rate = max(1, load.num_running) / (config.typical_decode_steps * step)
     freed = load.blocks_per_finish or config.typical_decode_steps / config.block_size
-    return max(block_deficit / (rate * freed), seq_deficit / rate)
+    # Whole finishes: the first one is 1/rate away however many blocks it frees.
+    return max(math.ceil(block_deficit / max(freed, 1.0)), seq_deficit) / rate
 
 
 def decode_rows_s(load: ReplicaLoad, config: RouterConfig) -> float:
