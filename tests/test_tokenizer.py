@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pickle
 import random
 import shutil
 import time
@@ -401,6 +402,15 @@ def test_tiny_dir_tokenizer(tiny: Tokenizer, tiny_dir: Path) -> None:
     assert rendered == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     ids = tiny.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)
     assert ids == tiny.encode(rendered, add_special_tokens=False) and ids.count(IM_START_ID) == 2
+
+
+def test_a_pickled_tokenizer_works_as_the_original(tiny: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Hi <|im_end|>"}]  # special text: the literal backend and its lock
+    rendered = tiny.apply_chat_template(messages)  # fills the template cache, which must not travel
+    copy = pickle.loads(pickle.dumps(tiny))  # how a Checkpoint reaches an engine core's process or actor
+    assert copy.apply_chat_template(messages) == rendered
+    assert copy.encode_chat(messages) == tiny.encode_chat(messages)
+    assert copy.encode("Hello world! Café") == tiny.encode("Hello world! Café")
 
 
 def test_tiny_dir_is_deterministic(tiny_dir: Path, tmp_path: Path) -> None:

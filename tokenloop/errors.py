@@ -51,3 +51,11 @@ class RequestFailedError(TokenloopError):
 
 class EngineStoppedError(TokenloopError):
     """The engine is shutting down or has stopped and accepts no new requests."""
+
+
+class ReplicaNotFoundError(TokenloopError):
+    """A cluster call named a replica (or request) the cluster does not have (HTTP 404)."""
+
+
+class ClusterConflictError(TokenloopError):
+    """A cluster call that would break the cluster (draining the last replica that admits work; HTTP 409)."""

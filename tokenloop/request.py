@@ -34,10 +34,12 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    EXPORTING = "exporting"  # paused for a handoff: keeps its blocks, skipped by the scheduler
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
+    HANDED_OFF = "handed_off"  # lives on in another engine under the same id: over here, not for its user
 
     @property
     def is_finished(self) -> bool:
@@ -50,7 +52,8 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+                       RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
+                       RequestStatus.HANDED_OFF})
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                    RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
 

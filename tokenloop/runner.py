@@ -134,6 +134,36 @@ class ModelRunner:
     def block_table(self, request_id: str) -> list[int]:
         return self.tables.get(request_id)
 
+    # ---- one block's K/V as bytes, for a handoff ---------------------------------------------------
+
+    @property
+    def kv_layout(self) -> str:
+        """What a block's bytes mean: dtype, layers, KV heads, head dim (engines must agree to swap K/V)."""
+        key = self.kv_caches[0][0]
+        return f"{str(key.dtype).removeprefix('torch.')}:{len(self.kv_caches)}x{key.shape[2]}x{key.shape[3]}"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes `read_block` returns per token slot."""
+        key = self.kv_caches[0][0]
+        return 2 * len(self.kv_caches) * key.shape[2] * key.shape[3] * key.element_size()
+
+    def read_block(self, block_id: int, num_tokens: int) -> bytes:
+        """K then V of every layer for the first `num_tokens` slots of a block, C order."""
+        parts = [t[block_id, :num_tokens] for layer in self.kv_caches for t in layer]
+        # Through uint8: numpy has no bfloat16.
+        return torch.stack(parts).contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+    def write_block(self, block_id: int, data: bytes, num_tokens: int) -> None:
+        """The inverse of `read_block`: fill the first `num_tokens` slots of a block."""
+        key = self.kv_caches[0][0]
+        shape = (2 * len(self.kv_caches), num_tokens, key.shape[2], key.shape[3])
+        values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(key.dtype).reshape(shape)
+        values = values.to(key.device)
+        for i, (k, v) in enumerate(self.kv_caches):
+            k[block_id, :num_tokens] = values[2 * i]
+            v[block_id, :num_tokens] = values[2 * i + 1]
+
     @property
     def last_weight_form(self) -> str:
         """The form the last step's projections ran in (int4 / q8_0 for small batches, bf16 for large)."""

@@ -60,7 +60,8 @@ def _strategy(hint: Any, depth: int = 0) -> st.SearchStrategy[Any]:
         return st.tuples(*[_strategy(a, depth + 1) for a in args])
     if origin is dict:
         return st.dictionaries(_strategy(args[0], depth + 1), _strategy(args[1], depth + 1), max_size=2)
-    return {int: _ints, float: _floats, str: _text, bool: st.booleans(), type(None): st.none()}[hint]
+    return {int: _ints, float: _floats, str: _text, bool: st.booleans(), bytes: st.binary(max_size=16),
+            type(None): st.none()}[hint]
 
 
 @pytest.mark.parametrize("cls", wire.WIRE_TYPES, ids=lambda c: c.__name__)

@@ -359,6 +359,55 @@ def run_policies_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- bench cluster -------------------------------------------------------------------------------
+
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--trace", required=True, help="the JSONL trace to replay (`bench make-trace`)")
+    parser.add_argument("--routers", default="round-robin,least-load,cost",
+                        help="comma-separated routers to compare (default: %(default)s)")
+    parser.add_argument("--replicas", type=_positive_int, default=2, help="engine replicas (default 2)")
+    parser.add_argument("--cluster", choices=("local", "ray"), default="local")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or HF checkpoint directory")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAG[=VALUE]",
+                        help="another `tokenloop serve` flag for every server, e.g. --serve-arg=--max-num-seqs=8")
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--time-scale", type=_positive_float, default=1.0,
+                        help="multiply arrival times (< 1 compresses the trace: more load)")
+    parser.add_argument("--max-requests", type=_positive_int, help="replay only the first N requests")
+    parser.add_argument("--runs", type=_positive_int, default=1, help="fresh servers per router (default 1)")
+    parser.add_argument("--save-result", metavar="FILE", help="write every run's numbers as JSON")
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def run_cluster_command(args: argparse.Namespace) -> int:
+    """`bench cluster`: the routers side by side on one trace and the same replicas."""
+    from tokenloop.bench.cluster import ClusterBenchConfig, format_table, run_cluster_bench, save
+    from tokenloop.bench.trace import load_trace
+    from tokenloop.cluster.router import ROUTERS
+
+    routers = tuple(r.strip() for r in args.routers.split(",") if r.strip())
+    unknown = [r for r in routers if r not in ROUTERS]
+    if unknown or not routers:
+        print(f"error: unknown router {unknown[0] if unknown else ''!r} (known: {', '.join(sorted(ROUTERS))})",
+              file=sys.stderr)
+        return 2
+    serve_args: list[str] = []
+    for item in args.serve_arg:
+        serve_args.extend(item.split("=", 1) if item.startswith("--") and "=" in item else [item])
+    config = ClusterBenchConfig(model=args.model, replicas=args.replicas, routers=routers, cluster=args.cluster,
+                                serve_args=tuple(serve_args), endpoint=args.endpoint, time_scale=args.time_scale,
+                                runs=args.runs, progress=not args.disable_tqdm)
+    trace = load_trace(args.trace)
+    if args.max_requests:
+        trace = trace[:args.max_requests]
+    results = run_cluster_bench(trace, config)
+    print(format_table(results))
+    if args.save_result:
+        save(results, config, args.save_result)
+        print(f"saved the results to {args.save_result}")
+    return 0
+
+
 # ---- wiring --------------------------------------------------------------------------------------
 
 _COMMANDS = (
@@ -367,6 +416,8 @@ _COMMANDS = (
     ("make-trace", "write a reproducible JSONL request trace", _add_make_trace_args, run_make_trace_command),
     ("policies", "replay one trace under each scheduling policy and compare them",
      _add_policies_args, run_policies_command),
+    ("cluster", "replay one trace against N replicas under each router and compare them",
+     _add_cluster_args, run_cluster_command),
 )
 
 

@@ -34,6 +34,7 @@ def add_serve_subparser(commands: Any) -> argparse.ArgumentParser:
                      help="seconds in-flight requests get to finish on shutdown before they are aborted")
     net.add_argument("--engine-core", choices=("process", "thread"), default="process",
                      help="run the engine core in its own process (default) or on a thread of the server's")
+    _add_cluster_args(serve)
     _add_limit_args(serve)
     tracing = serve.add_argument_group("tracing")
     tracing.add_argument("--trace-sample-rate", type=float, default=0.1,
@@ -43,8 +44,39 @@ def add_serve_subparser(commands: Any) -> argparse.ArgumentParser:
     return serve
 
 
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("replicas (several engine cores behind this one server)")
+    group.add_argument("--replicas", type=int, default=1, help="engine cores behind the router (default 1)")
+    group.add_argument("--cluster", choices=("local", "ray"), default="local",
+                       help="run the replicas as local processes (default) or as Ray actors (tokenloop[ray])")
+    group.add_argument("--ray-address", help="join this Ray cluster (default: start a local Ray instance and "
+                                             "stop it with the server)")
+    group.add_argument("--router", default="cost",
+                       help="round-robin, least-load or cost (default: predicted time to first token from "
+                            "exact prefix hits and measured step costs)")
+    group.add_argument("--failover", choices=("fail", "recompute"), default="fail",
+                       help="when a replica dies, fail its requests with a clear reason (default) or resume "
+                            "them on another replica by recomputing from their token ids")
+    group.add_argument("--no-restart", action="store_true", help="do not start a dead replica again")
+    group.add_argument("--prefill-replicas", type=int, default=0,
+                       help="K > 0: the first K replicas prefill and hand each request off to the others, "
+                            "which decode (prefill/decode disaggregation)")
+
+
+def _cluster_options(args: argparse.Namespace):  # noqa: ANN202 - ClusterOptions, imported lazily
+    """The replica set to start, or None for one engine core."""
+    if args.replicas == 1 and args.cluster == "local" and not args.prefill_replicas:
+        return None
+    from tokenloop.cluster.launch import ClusterOptions
+
+    return ClusterOptions(replicas=args.replicas, cluster=args.cluster, router=args.router,
+                          failover=args.failover, restart=not args.no_restart,
+                          prefill_replicas=args.prefill_replicas, ray_address=args.ray_address)
+
+
 def _start_core_process(args: argparse.Namespace, name: str, limits: Any):  # noqa: ANN202 - AsyncEngine
-    """The engine core in its own process; this one keeps only the tokenizer (and the records' observers)."""
+    """The engine core in its own process (or N of them behind a router); this one keeps only the
+    tokenizer (and the records' observers)."""
     from tokenloop.llm import build_engine_config
     from tokenloop.observe.metrics import EngineMetrics
     from tokenloop.observe.tracer import Tracer
@@ -53,6 +85,13 @@ def _start_core_process(args: argparse.Namespace, name: str, limits: Any):  # no
     config = build_engine_config(args.model, **_engine_options(args))
     tracer = None if args.no_trace else Tracer(sample_rate=args.trace_sample_rate)
     begin = time.perf_counter()
+    cluster = _cluster_options(args)
+    if cluster is not None:
+        async_engine = AsyncEngine.with_replicas(config, cluster, EngineMetrics(name), tracer=tracer,
+                                                 max_stream_backlog=limits.max_stream_backlog)
+        logger.info("%d engine replicas (%s, router %s) ready in %.1f s", cluster.replicas, cluster.cluster,
+                    cluster.router, time.perf_counter() - begin)
+        return async_engine
     async_engine = AsyncEngine.with_core_process(config, EngineMetrics(name), tracer=tracer,
                                                  max_stream_backlog=limits.max_stream_backlog)
     info = async_engine.client.info
@@ -72,6 +111,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
     name = args.served_model_name or args.model
+    if args.engine_core == "thread" and _cluster_options(args) is not None:
+        logger.error("--replicas, --cluster and --prefill-replicas need --engine-core process")
+        return 2
     if args.engine_core == "process":
         engine, async_engine = None, _start_core_process(args, name, limits)
     else:

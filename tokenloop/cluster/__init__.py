@@ -1,4 +1,4 @@
-"""Many engine cores behind one front door: load tracking and router policies (see docs/layout.md).
+"""Many engine cores behind one front door: replicas, routing, handoff (see docs/layout.md).
 
 Submodules are imported directly (`from tokenloop.cluster.router import make_router`); this package
 re-exports the router's public names for convenience.

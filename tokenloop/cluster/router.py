@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenloop.cluster.load import LoadTracker, ReplicaLoad
-from tokenloop.core.kv_cache import hash_block
+from tokenloop.core.kv_cache import block_hash_chain, hash_block
 from tokenloop.errors import CapacityError, InvalidRequestError
 
 _MASK = (1 << 64) - 1
@@ -95,13 +95,7 @@ class Router(Protocol):
 def prompt_block_hashes(request: RouteRequest, block_size: int) -> list[int]:
     """The chain of the prompt's full blocks, exactly as the engine's KV cache hashes them (cached)."""
     if request.block_hashes is None:
-        tokens = request.prompt_token_ids
-        hashes: list[int] = []
-        parent: int | None = None
-        for i in range(len(tokens) // block_size):
-            parent = hash_block(parent, tokens[i * block_size:(i + 1) * block_size], request.cache_salt)
-            hashes.append(parent)
-        request.block_hashes = hashes
+        request.block_hashes = block_hash_chain(request.prompt_token_ids, block_size, request.cache_salt)
     return request.block_hashes
 
 

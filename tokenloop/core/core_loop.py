@@ -53,6 +53,16 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "idle": lambda core: (core.has_unfinished_requests(), core.kv_cache.usage),
     "kv_facts": _kv_facts,
     "ping": lambda core: True,
+    # Handoff (tokenloop.core.handoff): the EngineCore methods of the same names.
+    "export_request": lambda core, request_id, skip_hashes=(), lease_s=30.0: core.export_request(
+        request_id, skip_hashes, lease_s),
+    "import_request": lambda core, snapshot: core.import_request(snapshot),
+    "complete_export": lambda core, lease_id: core.complete_export(lease_id),
+    "resume_export": lambda core, lease_id: core.resume_export(lease_id),
+    "precopy_blocks": lambda core, request_id, skip_hashes=(): core.precopy_blocks(request_id, skip_hashes),
+    "import_blocks": lambda core, blocks: core.import_blocks(blocks),
+    "kv_snapshot": lambda core: core.kv_snapshot(),  # a router's mirror resyncs after a gap
+    "kv_events_since": lambda core, seq: core.kv_events_since(seq),
 }
 
 

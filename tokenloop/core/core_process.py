@@ -7,7 +7,8 @@ the server's threads and locks mid-state). The core builds its EngineCore, sends
     receive every pending message (without blocking while busy; polling while idle) -> apply them in order
     -> step when there is work -> send one `CoreFrame` (outputs, records, answers)
 
-It exits on `Shutdown`, or on its own when the parent process is gone (its parent pid changes).
+It exits on `Shutdown`, or on its own when the parent process is gone (its parent pid changes). `run_core`
+is the same loop for any host of the core (a Ray actor too), told by a callable when to give up.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import zmq
@@ -46,24 +48,41 @@ def run_core_process(config: EngineConfig, checkpoint: Checkpoint | None, input_
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    sys.exit(run_core(config, checkpoint, input_address, output_address, lambda: _parent_gone(parent_pid)))
+
+
+def run_core(config: EngineConfig, checkpoint: Checkpoint | None, input_address: str, output_address: str,
+             should_stop: Callable[[], bool]) -> int:
+    """Build the core, announce it on `output_address`, then serve until `Shutdown` or `should_stop()`.
+
+    The loop of every engine core behind sockets (its own process here, a Ray actor in a cluster): only
+    how it learns that nobody listens any more differs, hence `should_stop`, asked once per turn.
+    Returns 0 after a shutdown, 1 if building failed.
+    """
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     outputs = context.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
     inputs.connect(input_address)
     outputs.connect(output_address)
-    status = 0
     try:
         loop = _build(config, checkpoint, outputs)
         if loop is None:
-            status = 1
-        else:
-            _serve(loop, inputs, outputs, parent_pid)
+            return 1
+        _serve(loop, inputs, outputs, should_stop)
+        return 0
     finally:
         inputs.close(linger=0)
         outputs.close()
         context.term()
-    sys.exit(status)
+
+
+def _parent_gone(parent_pid: int) -> bool:
+    if os.getppid() == parent_pid:
+        return False
+    # Reparented: the front end is gone, nobody will read our outputs.
+    logger.warning("the front end (pid %d) is gone; the engine core exits", parent_pid)
+    return True
 
 
 def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Socket):
@@ -94,7 +113,7 @@ def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Soc
     return CoreLoop(core, buffer)
 
 
-def _serve(loop, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> None:
+def _serve(loop, inputs: zmq.Socket, outputs: zmq.Socket, should_stop: Callable[[], bool]) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     while not loop.stopped:
@@ -112,8 +131,7 @@ def _serve(loop, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int) -> No
                     break
                 for message in wire.decode_batch(frame):
                     loop.apply(message)
-        if os.getppid() != parent_pid:  # reparented: the front end is gone, nobody will read our outputs
-            logger.warning("the front end (pid %d) is gone; the engine core exits", parent_pid)
+        if should_stop():
             return
         try:
             frame_out = loop.turn()

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from tokenloop.config import EngineConfig
+from tokenloop.core.handoff import HandoffStage, ImportResult, KVBlockData, KVSnapshot
 from tokenloop.core.isolation import Failure, Sampled, execute_isolated, sample_isolated
 from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.kv_events import KVEventBatch, KVEventLog, KVIndexSnapshot
@@ -108,6 +109,9 @@ class EngineCore:
         self.structured = StructuredOutputs(tokenizer, self.vocab_size)  # type: ignore[arg-type]
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._prompt_logprobs_sent: dict[str, int] = {}  # prompt positions already reported, per request
+        self.handoffs = HandoffStage(config.model, self.scheduler, self.kv_cache, self.runner, self.sampler,
+                                     self.structured, self.vocab_size, self.eos_token_id,
+                                     config.scheduler.max_num_seqs, clock)
         self.num_steps = 0
 
     # ---- requests in -----------------------------------------------------------------------------
@@ -168,6 +172,8 @@ class EngineCore:
             if request is None:
                 continue
             request.stop_reason = stop_reason
+            if request.status is RequestStatus.EXPORTING:
+                self.handoffs.drop(request_id)  # a late ack or nack finds no lease
             self.scheduler.finish_request(request_id, status)
             finals.append(self._final_output(request, CoreOutput(request_id, [])))
         releases = release_infos(self.scheduler.take_releases())
@@ -191,6 +197,7 @@ class EngineCore:
         """Go around the loop once; outputs of every request that got tokens or ended."""
         clock = self.clock
         start = clock()
+        self.handoffs.expire()  # a lease nobody answered: the request runs here again
         schedule = self.scheduler.schedule()  # the KV stage inside: prefix hits, allocation, preemption
         self.runner.apply_block_diffs(schedule)
         schedule_end = clock()
@@ -230,6 +237,56 @@ class EngineCore:
             self.observers.step(record)
         kv_events = self.kv_events.flush(end) if self.kv_events is not None else None
         return CoreOutputs(outputs, sample_end, len(schedule.scheduled), record, kv_events=kv_events)
+
+    # ---- handoff (tokenloop.core.handoff): a request moves to another engine under a lease -----------
+
+    def export_request(self, request_id: str, skip_hashes: Sequence[int] = (),
+                       lease_s: float = 30.0) -> KVSnapshot:
+        """Pause the request (EXPORTING, blocks kept) and snapshot it with the blocks not in skip_hashes;
+        InvalidRequestError for an unknown, finished or already exporting id."""
+        return self.handoffs.export(self._unfinished(request_id), list(skip_hashes), lease_s,
+                                    self._prompt_logprobs_sent.get(request_id, 0))
+
+    def import_request(self, snapshot: KVSnapshot) -> ImportResult:
+        """Take a request another engine exported, or refuse it with a reason (never raises for that)."""
+        request_id = snapshot.request.request_id
+        result, request = self.handoffs.import_(snapshot, request_id in self._requests)
+        if request is not None:
+            self._requests[request_id] = request
+            if snapshot.request.num_prompt_logprobs_sent:
+                self._prompt_logprobs_sent[request_id] = snapshot.request.num_prompt_logprobs_sent
+        return result
+
+    def complete_export(self, lease_id: str) -> bool:
+        """The destination has it: release its references here (cached blocks stay reusable), report the
+        release, and send no final output (the request lives on there). False for an unknown lease."""
+        request = self.handoffs.complete(lease_id)
+        if request is None:
+            return False
+        self._forget(request.request_id)
+        releases = release_infos(self.scheduler.take_releases())
+        if releases:
+            self.observers.release(releases)
+        return True
+
+    def resume_export(self, lease_id: str) -> bool:
+        """The destination refused it: it runs here again. False for an unknown (answered, expired) lease."""
+        return self.handoffs.resume(lease_id)
+
+    def precopy_blocks(self, request_id: str, skip_hashes: Sequence[int] = ()) -> list[KVBlockData]:
+        """The request's computed full blocks not in skip_hashes, without pausing it (live migration)."""
+        return self.handoffs.precopy(self._unfinished(request_id), list(skip_hashes))
+
+    def import_blocks(self, blocks: Sequence[KVBlockData]) -> int:
+        """Store full blocks in the prefix cache, unreferenced and reusable; how many were new here."""
+        return self.handoffs.store(list(blocks))
+
+    def _unfinished(self, request_id: str) -> Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise InvalidRequestError(f"request {request_id!r} is not unfinished in this engine",
+                                      param="request_id")
+        return request
 
     # ---- KV events: a consumer that missed batches catches up or resyncs ---------------------------
 
@@ -290,9 +347,12 @@ class EngineCore:
         output.finish_reason = request.finish_reason
         output.stop_reason = request.stop_reason
         output.error = request.error
-        self._requests.pop(request.request_id, None)
-        self._prompt_logprobs_sent.pop(request.request_id, None)
+        self._forget(request.request_id)
         return self._with_numbers(request, output)
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._prompt_logprobs_sent.pop(request_id, None)
 
     def _record_prompt_logprobs(self, result: RunnerOutput, pending: dict[str, _Pending]) -> None:
         for piece in result.prompt_logits:

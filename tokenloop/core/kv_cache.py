@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from tokenloop.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
 
@@ -40,6 +40,16 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int], cache_salt: st
     digest.update(salt)
     digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return int.from_bytes(digest.digest()[:8], "little")
+
+
+def block_hash_chain(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                     parent_hash: int | None = None) -> list[int]:
+    """The chained hashes of every full block of `token_ids` (after `parent_hash`), as the pool keys them."""
+    hashes: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block(parent_hash, token_ids[start:start + block_size], cache_salt)
+        hashes.append(parent_hash)
+    return hashes
 
 
 @dataclass(eq=False)
@@ -238,6 +248,17 @@ class BlockPool:
                     block.stored_event = event
                     block.stored_pos = pos
                 run_start = -1
+
+    def publish_one(self, block: KVBlock, block_hash: int, parent_hash: int | None,
+                    token_ids: Sequence[int], block_size: int) -> bool:
+        """`publish` one block that came from elsewhere (a handoff's copy), recording it as stored."""
+        if not self.publish(block, block_hash):
+            return False
+        if self.events is not None:
+            event = BlockStored([block_hash], parent_hash, list(token_ids), block_size)
+            self.events.record(event)
+            block.stored_event, block.stored_pos = event, 0
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash, as vLLM does; refused (False) while any block is referenced.
@@ -481,6 +502,57 @@ class KVCacheManager:
                 freed += 1
         return BlockRelease([block.block_id for block in table], freed, kept, shared)
 
+    # ---- handoff: blocks that arrive with their K/V ------------------------------------------------
+
+    def adopt(self, request: Request, plan: Sequence[KVBlock | None]) -> list[KVBlock] | None:
+        """Give an imported request (holding nothing) the table `plan`: a matched block (a prefix hit,
+        touched) or None (a fresh block, for K/V the caller writes now) per position.
+
+        Returns the fresh blocks in plan order, or None, changing nothing, if the pool is short. The
+        request's full blocks among its `num_computed_tokens` are published, as `allocate` would have.
+        """
+        if request.request_id in self._tables:
+            raise ValueError(f"{request.request_id}: adopt is only for a request holding no blocks")
+        matched = [block for block in plan if block is not None]
+        num_fresh = len(plan) - len(matched)
+        if num_fresh > self.pool.num_free - sum(1 for block in matched if block.ref_cnt == 0):
+            return None
+        self.pool.touch(matched)
+        fresh = self.pool.take(num_fresh)
+        taken = iter(fresh)
+        self._tables[request.request_id] = [block if block is not None else next(taken) for block in plan]
+        self._num_published[request.request_id] = 0
+        if self.enable_caching:
+            self._publish_full_blocks(request, self._tables[request.request_id], request.num_computed_tokens)
+        return fresh
+
+    def store_cached(self, blocks: Sequence[tuple[int, int | None, Sequence[int]]],
+                     write: Callable[[int, int], None]) -> int:
+        """Store full blocks from elsewhere, unreferenced and reusable: (hash, parent hash, token ids) each.
+
+        Hashes already indexed are skipped; `write(block_id, i)` fills block i's K/V. Takes free blocks
+        as allocation does (evicting the oldest cached ones) and returns how many were stored.
+        """
+        if not self.enable_caching:
+            return 0
+        stored = 0
+        for i, (block_hash, parent_hash, token_ids) in enumerate(blocks):
+            if self.pool.lookup(block_hash) is not None:
+                continue
+            if self.pool.num_free == 0:
+                break
+            block = self.pool.take(1)[0]
+            write(block.block_id, i)
+            self.pool.publish_one(block, block_hash, parent_hash, token_ids, self.block_size)
+            self.pool.release([block])
+            stored += 1
+        return stored
+
+    def block_hashes(self, request: Request) -> list[int]:
+        """The chained hashes of every full block of the request's tokens (computed or not)."""
+        self._update_block_hashes(request)
+        return request.block_hashes
+
     # ---- reading -----------------------------------------------------------------------------------
 
     def get_block_ids(self, request_id: str) -> list[int]:
@@ -529,12 +601,9 @@ class KVCacheManager:
         num_full = request.num_tokens // self.block_size
         if len(hashes) >= num_full:
             return
-        parent = hashes[-1] if hashes else None
-        tokens = request.all_token_ids
         size = self.block_size
-        for i in range(len(hashes), num_full):
-            parent = hash_block(parent, tokens[i * size:(i + 1) * size], request.cache_salt)
-            hashes.append(parent)
+        hashes.extend(block_hash_chain(request.all_token_ids[len(hashes) * size:num_full * size], size,
+                                       request.cache_salt, hashes[-1] if hashes else None))
 
     def _publish_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
         num_full = num_tokens // self.block_size

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloop.core.kv_events import KVEventBatch
-from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepRecord
+from tokenloop.observe.records import ArrivalRecord, HandoffRecord, ReleaseInfo, StepRecord
 from tokenloop.request import SamplingParams
 from tokenloop.sampler import TokenLogprobs
 
@@ -62,6 +62,7 @@ class CoreOutputs:
     arrivals: list[ArrivalRecord] = field(default_factory=list)  # for observers in the front end
     releases: list[ReleaseInfo] = field(default_factory=list)  # ended outside a step (aborts)
     kv_events: KVEventBatch | None = None  # what the step did to the prefix index (when enabled)
+    handoffs: list[HandoffRecord] = field(default_factory=list)  # a cluster's front door adds these
 
 
 # ---- the engine-core protocol: what the front end sends, and what the core answers -----------------------

@@ -28,7 +28,14 @@ class Policy(Protocol):
         """`request` got `num_tokens` tokens this step (called before `num_computed_tokens` advances)."""
 
     def on_finished(self, request: Request) -> None:
-        """A request left the scheduler for good (finished or aborted)."""
+        """A request left the scheduler for good (finished, aborted or handed off)."""
+
+    def charge(self, request: Request) -> float:
+        """What the request's service so far has cost its account (a handoff carries it)."""
+        ...
+
+    def on_imported(self, request: Request, charge: float) -> None:
+        """A request handed in from another engine, after its `on_arrival`, with its `charge` there."""
 
     def order(self, requests: Iterable[Request], now: int) -> Iterator[Request]:
         """The requests, best first."""
@@ -77,6 +84,13 @@ class _RankedPolicy:
 
     def on_finished(self, request: Request) -> None:
         self._seq.pop(request.request_id, None)
+
+    def charge(self, request: Request) -> float:
+        """What the request's service so far has cost its account (carried by a handoff)."""
+        return 0.0
+
+    def on_imported(self, request: Request, charge: float) -> None:
+        """A request handed in from another engine, after its `on_arrival`, with its `charge` there."""
 
     def order(self, requests: Iterable[Request], now: int) -> Iterator[Request]:
         return iter(sorted(requests, key=lambda request: self.key(request, now)))
@@ -210,6 +224,15 @@ class FairSharePolicy(_RankedPolicy):
 
     def key(self, request: Request, now: int) -> tuple[float, ...]:
         return (self.counter(request.user), request.times.arrival, self._sequence(request))
+
+    def charge(self, request: Request) -> float:
+        prompt_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        return self.prompt_weight * prompt_tokens + self.output_weight * request.num_output_tokens
+
+    def on_imported(self, request: Request, charge: float) -> None:
+        # The user keeps paying here for what it was served there: a move must not reset its account.
+        user = self._user(request)
+        self.counters[user] = self.counters.get(user, 0.0) + charge
 
     def victim(self, candidates: Sequence[Request], now: int) -> Request:
         if not candidates:

@@ -107,6 +107,10 @@ class Scheduler:
         # Dicts keyed by request id: O(1) removal, and iteration in insertion order.
         self._running: dict[str, Request] = {}
         self._waiting: dict[str, Request] = {}
+        # Exporting (handoff): out of both queues, blocks kept; with the status to go back to on a resume.
+        self._paused: dict[str, tuple[Request, RequestStatus]] = {}
+        # Imported running requests whose block table the runner has not seen: their next turn ships it all.
+        self._fresh_tables: set[str] = set()
         self.num_preemptions = 0
         self._num_preempted_waiting = 0  # a counter, so stats() never scans the queue
         self._released_ids: list[str] = []  # for the next SchedulerOutput
@@ -133,11 +137,12 @@ class Scheduler:
         return list(self._waiting.values())
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self._running or self._waiting or self._paused)
 
     def get_request(self, request_id: str) -> Request | None:
-        """The unfinished request with this id, or None."""
-        return self._running.get(request_id) or self._waiting.get(request_id)
+        """The unfinished request with this id (exporting ones too), or None."""
+        paused = self._paused.get(request_id)
+        return self._running.get(request_id) or self._waiting.get(request_id) or (paused and paused[0])
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
@@ -202,8 +207,11 @@ class Scheduler:
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
         request = self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
+        if request is None and request_id in self._paused:
+            request = self._paused.pop(request_id)[0]
         if request is None:
             return None
+        self._fresh_tables.discard(request_id)
         if request.status is RequestStatus.PREEMPTED:
             self._num_preempted_waiting -= 1
         request.status = status
@@ -221,6 +229,47 @@ class Scheduler:
         releases, self._releases = self._releases, []
         return releases
 
+    # ---- handoff: pause for an export, resume, adopt an import ---------------------------------------
+
+    def pause(self, request_id: str) -> Request:
+        """Take an unfinished request out of both queues, keeping its blocks (status EXPORTING)."""
+        request = self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
+        if request is None:
+            raise InvalidRequestError(f"request {request_id!r} is not running or waiting here",
+                                      param="request_id")
+        if request.status is RequestStatus.PREEMPTED:
+            self._num_preempted_waiting -= 1
+        self._paused[request_id] = (request, request.status)
+        request.status = RequestStatus.EXPORTING
+        return request
+
+    def resume(self, request_id: str) -> Request | None:
+        """Put a paused request back where it was; None if it is not paused."""
+        entry = self._paused.pop(request_id, None)
+        if entry is None:
+            return None
+        request, status = entry
+        request.status = status
+        if status is RequestStatus.RUNNING:
+            self._running[request_id] = request
+        else:
+            self._waiting[request_id] = request
+            if status is RequestStatus.PREEMPTED:
+                self._num_preempted_waiting += 1
+        return request
+
+    def adopt_running(self, request: Request) -> None:
+        """Run an imported request whose blocks the KV cache already holds (`KVCacheManager.adopt`).
+
+        Its next turn sends the runner its whole table, as an admission does."""
+        if self.get_request(request.request_id) is not None:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use",
+                                      param="request_id")
+        request.status = RequestStatus.RUNNING
+        self._running[request.request_id] = request
+        self._fresh_tables.add(request.request_id)
+        self.policy.on_arrival(request, self.clock())
+
     # ---- one step ----------------------------------------------------------------------------------
 
     def _chunk(self, num_left: int, budget: int) -> int:
@@ -231,6 +280,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop its blocks; it waits again and recomputes from scratch."""
         del self._running[request.request_id]
+        self._fresh_tables.discard(request.request_id)
         self.kv_cache.free(request)
         self._released_ids.append(request.request_id)
         self._num_preempted_waiting += 1
@@ -284,7 +334,11 @@ class Scheduler:
                     output.preempted.append(victim)
                     if victim is request:
                         break
-                if request.request_id in self._running:
+                if request.request_id in self._fresh_tables:  # imported: the runner gets its whole table
+                    self._fresh_tables.discard(request.request_id)
+                    table = kv.get_block_ids(request.request_id)
+                    add(request, n, table, True, len(table) - len(new_blocks or ()))
+                elif request.request_id in self._running:
                     add(request, n, [b.block_id for b in new_blocks] if new_blocks else [])
             except Exception:  # noqa: BLE001 - logged and turned into this request's error
                 self._fail_request(request, "scheduling", output)

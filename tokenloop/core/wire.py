@@ -21,6 +21,7 @@ from typing import Any
 
 import msgpack
 
+from tokenloop.core.handoff import ImportResult, KVBlockData, KVSnapshot, RequestState
 from tokenloop.core.messages import (
     AddRequests,
     CallResult,
@@ -51,6 +52,7 @@ WIRE_TYPES: tuple[type, ...] = (
     AddRequests, FinishRequests, UtilityCall, Shutdown, CallResult, CoreError, CoreReady, CoreFrame,
     CoreRequest, SamplingParams, StructuredOutputsParams, CoreOutputs, CoreOutput, TokenLogprobs,
     StepRecord, ScheduledChunk, ReleaseInfo, StepGauges, ArrivalRecord, SchedulerStats,
+    KVBlockData, RequestState, KVSnapshot, ImportResult,
 )
 _ANY_EXT = 1  # msgpack ext code of a dataclass inside an `Any` field (a utility's result)
 
@@ -169,9 +171,12 @@ def _untagged(item: list[Any]) -> Any:
 
 
 def _encode_any(value: Any) -> Any:
-    """Plain values as they are; a wire dataclass (say SchedulerStats) as an ext wrapping its tagged form."""
+    """Plain values as they are; a wire dataclass (say SchedulerStats) as an ext wrapping its tagged form,
+    also inside a list (a handoff's blocks)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return msgpack.ExtType(_ANY_EXT, msgpack.packb(_tagged(value), use_bin_type=True))
+    if isinstance(value, (list, tuple)) and any(dataclasses.is_dataclass(item) for item in value):
+        return [_encode_any(item) for item in value]
     return value
 
 

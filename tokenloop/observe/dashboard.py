@@ -6,7 +6,8 @@ into the JSON the page polls (tokenloop/serving/static/dashboard.js) outside the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloop.observe.live import LiveRequest
@@ -31,6 +32,19 @@ class Snapshot:
     totals: dict[str, int]
     preempted_spans: dict[str, list[tuple[int, int]]]
     num_steps: int
+    replicas: dict[int, StepGauges] = field(default_factory=dict)  # per engine replica, for a cluster
+
+
+def sum_gauges(parts: list[StepGauges]) -> StepGauges | None:
+    """Several replicas' gauges as one pool of the cluster (counts and counters add up)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return dataclasses.replace(parts[0])
+    names = [f.name for f in dataclasses.fields(StepGauges)]
+    total = {name: sum(getattr(g, name) for g in parts) for name in names}
+    total["block_size"] = parts[0].block_size
+    return StepGauges(**total)
 
 
 def preempted_spans(trace: RequestTrace) -> list[tuple[int, int]]:
@@ -96,6 +110,8 @@ def build_state(s: Snapshot) -> dict[str, Any]:
         "tracing": {"enabled": s.enabled, "sample_rate": s.sample_rate},
         "counters": {**_counters(s.gauges, s.live), "steps": s.num_steps, **s.totals},
         "kv": _blocks(s.gauges),
+        "replicas": [{"index": i, **_counters(g, []), **_blocks(g)} for i, g in s.replicas.items()]
+        if len(s.replicas) > 1 else [],
         "iterations": [{
             "index": it.index, "start_ms": ms(it.start_ns), "end_ms": ms(it.end_ns),
             "stages_ms": {k: round(v / 1e6, 4) for k, v in it.stage_ns().items()},

@@ -29,7 +29,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tokenloop.observe.live import LiveState
-from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepGauges, StepRecord
+from tokenloop.observe.records import ArrivalRecord, HandoffRecord, ReleaseInfo, StepGauges, StepRecord
 
 if TYPE_CHECKING:  # annotations only: observers depend on records, not on the engine's rooms
     from tokenloop.outputs import RequestMetrics
@@ -55,23 +55,47 @@ class _Cumulative:
     num_preemptions: int = 0
 
 
+class _ReplicaSeries:
+    """One engine replica's labelled children and the cumulative counters it reported last."""
+
+    def __init__(self, m: EngineMetrics, replica: str) -> None:
+        model = m.model_name
+        labels = (model, replica)
+        self.running = m.num_requests_running.labels(*labels)
+        self.waiting = m.num_requests_waiting.labels(*labels)
+        self.preempted = m.num_requests_preempted.labels(*labels)
+        self.kv_usage = m.kv_cache_usage_perc.labels(*labels)
+        self.queries, self.hits = m.prefix_cache_queries.labels(*labels), m.prefix_cache_hits.labels(*labels)
+        self.preemptions = m.num_preemptions.labels(*labels)
+        self.generation_tokens = m.generation_tokens.labels(*labels)
+        self.iteration_tokens = m.iteration_tokens.labels(*labels)
+        self.last = _Cumulative()
+        self.now = LiveState()  # the gauges between steps (an abort on an idle engine takes no step)
+
+
 class EngineMetrics:
-    """The server's Prometheus collectors, in a registry of their own; an observer of engine records."""
+    """The server's Prometheus collectors, in a registry of their own; an observer of engine records.
+
+    Every series fed by engine records carries a `replica` label (0 for a single engine core), so a
+    server with several replicas shows each one; the request latencies are the front door's.
+    """
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
+        engine_labels = ["model_name", "replica"]
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=r)
+            return Gauge(PREFIX + name, doc, engine_labels, registry=r)
 
-        def counter(name: str, doc: str, extra: Iterable[str] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, [*labels, *extra], registry=r)
+        def counter(name: str, doc: str, extra: Iterable[str] = (), per_replica: bool = True) -> Counter:
+            return Counter(PREFIX + name, doc, [*(engine_labels if per_replica else labels), *extra], registry=r)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], per_replica: bool = False) -> Histogram:
+            return Histogram(PREFIX + name, doc, engine_labels if per_replica else labels, buckets=buckets,
+                             registry=r)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -84,10 +108,14 @@ class EngineMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = counter("num_preemptions", "Preemptions (by recompute) since start.")
         self.prompt_tokens = counter("prompt_tokens",
-                                     "Prompt tokens of requests that produced a first token.")
+                                     "Prompt tokens of requests that produced a first token.", per_replica=False)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Requests that ended, by finish reason.",
-                                       extra=["finished_reason"])
+                                       extra=["finished_reason"], per_replica=False)
+        self.handoffs = counter("handoffs", "Request handoffs between replicas, by outcome.",
+                                extra=["outcome"], per_replica=False)
+        self.handoff_kv_bytes = counter("handoff_kv_bytes", "KV-cache bytes moved by handoffs.",
+                                        per_replica=False)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.",
                                              _TTFT_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Gap between consecutive tokens.",
@@ -101,62 +129,72 @@ class EngineMetrics:
         self.request_decode_time = histogram("request_decode_time_seconds", "First token to last token.",
                                              _REQUEST_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens", "Tokens computed per engine step.",
-                                          _ITERATION_TOKEN_BUCKETS)
-        self._last = _Cumulative()
-        self._now = LiveState()  # the gauges between steps (an abort on an idle engine takes no step)
+                                          _ITERATION_TOKEN_BUCKETS, per_replica=True)
+        self._replicas: dict[int, _ReplicaSeries] = {}
         # Labelled children resolved once: `.labels()` takes a lock and a dict lookup each call.
         m = model_name
-        self._running = self.num_requests_running.labels(m)
-        self._waiting = self.num_requests_waiting.labels(m)
-        self._preempted = self.num_requests_preempted.labels(m)
-        self._kv_usage = self.kv_cache_usage_perc.labels(m)
-        self._queries, self._hits = self.prefix_cache_queries.labels(m), self.prefix_cache_hits.labels(m)
-        self._preemptions = self.num_preemptions.labels(m)
         self._prompt_tokens = self.prompt_tokens.labels(m)
-        self._generation_tokens = self.generation_tokens.labels(m)
         self._ttft, self._itl = self.time_to_first_token.labels(m), self.inter_token_latency.labels(m)
         self._e2e, self._queue = self.e2e_request_latency.labels(m), self.request_queue_time.labels(m)
         self._prefill, self._decode = self.request_prefill_time.labels(m), self.request_decode_time.labels(m)
-        self._iteration_tokens = self.iteration_tokens.labels(m)
+        self._handoff_bytes = self.handoff_kv_bytes.labels(m)
+        self._series(0)  # a single engine's series exist (at zero) before its first record
+
+    def _series(self, replica: int) -> _ReplicaSeries:
+        series = self._replicas.get(replica)
+        if series is None:
+            series = self._replicas[replica] = _ReplicaSeries(self, str(replica))
+        return series
 
     # ---- the engine's records (on the thread that runs the loop or receives its records) ------------
 
     def on_arrival(self, record: ArrivalRecord) -> None:
-        self._now.arrival(record)
-        self._waiting.set(self._now.num_waiting())
+        series = self._series(record.replica)
+        series.now.arrival(record)
+        series.waiting.set(series.now.num_waiting())
 
     def on_step(self, record: StepRecord) -> None:
         """Gauges and counters from the step's gauges; tokens it computed and tokens it sampled."""
-        self._now.step(record)
-        self._observe_gauges(record.gauges)
+        series = self._series(record.replica)
+        series.now.step(record)
+        self._observe_gauges(series, record.gauges)
         if record.num_batched_tokens > 0:
-            self._iteration_tokens.observe(record.num_batched_tokens)
+            series.iteration_tokens.observe(record.num_batched_tokens)
         if record.sampled_tokens:
-            self._generation_tokens.inc(len(record.sampled_tokens))
+            series.generation_tokens.inc(len(record.sampled_tokens))
 
     def on_release(self, records: list[ReleaseInfo]) -> None:
         """Requests that ended between steps: their queue slots and blocks are free now."""
-        self._now.release(records)
-        if self._now.gauges is not None:
-            self._observe_gauges(self._now.gauges)
-        else:
-            self._waiting.set(self._now.num_waiting())
+        by_replica: dict[int, list[ReleaseInfo]] = {}
+        for record in records:
+            by_replica.setdefault(record.replica, []).append(record)
+        for replica, group in by_replica.items():
+            series = self._series(replica)
+            series.now.release(group)
+            if series.now.gauges is not None:
+                self._observe_gauges(series, series.now.gauges)
+            else:
+                series.waiting.set(series.now.num_waiting())
 
-    def _observe_gauges(self, g: StepGauges) -> None:
-        self._set(g.num_running, g.num_waiting, g.num_preempted_waiting, g.kv_usage,
-                  _Cumulative(g.prefix_cache_queries, g.prefix_cache_hits, g.num_preemptions))
+    def on_handoff(self, record: HandoffRecord) -> None:
+        """A handoff between replicas: its outcome counted, the KV bytes it moved added."""
+        if record.event in ("completed", "refused", "cancelled", "failed"):
+            self.handoffs.labels(self.model_name, record.event).inc()
+        if record.bytes_moved:
+            self._handoff_bytes.inc(record.bytes_moved)
 
-    def _set(self, running: int, waiting: int, preempted: int, kv_usage: float, now: _Cumulative) -> None:
-        self._running.set(running)
-        self._waiting.set(waiting)
-        self._preempted.set(preempted)
-        self._kv_usage.set(kv_usage)
-        last = self._last
+    @staticmethod
+    def _observe_gauges(series: _ReplicaSeries, g: StepGauges) -> None:
+        series.running.set(g.num_running)
+        series.waiting.set(g.num_waiting)
+        series.preempted.set(g.num_preempted_waiting)
+        series.kv_usage.set(g.kv_usage)
+        last = series.last
         # max(0, ...): a counter may only grow, even if the engine's own counters were ever reset.
-        self._queries.inc(max(0, now.prefix_cache_queries - last.prefix_cache_queries))
-        self._hits.inc(max(0, now.prefix_cache_hits - last.prefix_cache_hits))
-        self._preemptions.inc(max(0, now.num_preemptions - last.num_preemptions))
-        self._last = now
+        series.queries.inc(max(0, g.prefix_cache_queries - last.prefix_cache_queries))
+        series.hits.inc(max(0, g.prefix_cache_hits - last.prefix_cache_hits))
+        series.preemptions.inc(max(0, g.num_preemptions - last.num_preemptions))
+        series.last = _Cumulative(g.prefix_cache_queries, g.prefix_cache_hits, g.num_preemptions)
 
     # ---- fed by the front end ---------------------------------------------------------------------
 

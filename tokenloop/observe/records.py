@@ -63,6 +63,7 @@ class ReleaseInfo:
     num_output_tokens: int
     num_cached_tokens: int
     num_preemptions: int
+    replica: int = 0  # which engine replica of a cluster (set by the front door's replica set)
 
 
 @dataclass(slots=True)
@@ -111,6 +112,7 @@ class StepRecord:
     releases: list[ReleaseInfo]  # requests that ended in this step (stopped, length, error)
     gauges: StepGauges
     weight_form: str = ""  # the form the projections ran in (int4, bfloat16, ...)
+    replica: int = 0  # which engine replica of a cluster (set by the front door's replica set)
 
     @property
     def num_scheduled(self) -> int:
@@ -158,6 +160,27 @@ class ArrivalRecord:
     arrival_ns: int
     queued_ns: int
     num_waiting: int  # the queue's length once it joined
+    replica: int = 0  # which engine replica of a cluster took it
+    # The router's decision (replica, policy, predicted TTFT, cached tokens), when a router chose.
+    route: dict[str, int | float | str | None] | None = None
+
+
+@dataclass(slots=True)
+class HandoffRecord:
+    """One transition of a request's handoff between replicas: exporting (pre-copy starts), precopied,
+    paused (the export: its stream stops), in_transit, imported (it runs on the destination), completed
+    (the source released it), refused (it resumed on the source), cancelled, failed, finished."""
+
+    request_id: str
+    event: str
+    source: int
+    destination: int
+    reason: str  # drain, migrate, disaggregation
+    ts_ns: int
+    detail: str | None = None  # a refusal's or failure's reason
+    blocks_copied: int = 0
+    blocks_matched: int = 0  # found by hash at the destination: not moved
+    bytes_moved: int = 0  # KV bytes this transition moved (pre-copied blocks, then the snapshot's)
 
 
 class EngineObserver:
@@ -175,6 +198,9 @@ class EngineObserver:
 
     def on_release(self, records: list[ReleaseInfo]) -> None:  # noqa: B027 - optional hook
         """Requests that ended outside a step (aborted between steps)."""
+
+    def on_handoff(self, record: HandoffRecord) -> None:  # noqa: B027 - optional hook
+        """A request moved (or tried to move) between replicas of a cluster."""
 
 
 class Observes(Protocol):
@@ -209,6 +235,10 @@ class ObserverSet:
         if records:
             for observer in self.observers:
                 _safely(observer, "on_release", records)
+
+    def handoff(self, record: HandoffRecord) -> None:
+        for observer in self.observers:
+            _safely(observer, "on_handoff", record)
 
 
 def _safely(observer: object, hook: str, record: object) -> None:

@@ -30,6 +30,7 @@ from tokenloop.observe.exports import iterations_of, to_chrome_trace, to_mechani
 from tokenloop.observe.live import LiveState
 from tokenloop.observe.records import (
     ArrivalRecord,
+    HandoffRecord,
     ReleaseInfo,
     ScheduledChunk,
     StepRecord,
@@ -87,7 +88,8 @@ class Tracer:
         self.ttfts: deque[tuple[int, int]] = deque(maxlen=max_summaries)  # (first token ns, ttft ns)
         # Per-second buckets: [second since origin, output tokens, batched tokens, steps].
         self.throughput: deque[list[int]] = deque(maxlen=600)
-        self._now = LiveState()  # every live request (sampled or not) and the current gauges
+        # Per engine replica (one for a single core): its live requests (sampled or not) and gauges.
+        self._now: dict[int, LiveState] = {}
         self._live: dict[str, RequestTrace] = {}
         self._done: OrderedDict[str, RequestTrace] = OrderedDict()
         self.totals = {"arrived": 0, "finished": 0, "aborted": 0, "errored": 0, "preemptions": 0,
@@ -113,7 +115,8 @@ class Tracer:
                 # Their releases will not be seen: keep what was recorded, bounded like any finished trace.
                 for request_id in list(self._live):
                     self._retire(request_id)
-                self._now.clear()
+                for state in self._now.values():
+                    state.clear()
             self._enabled = value
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -133,14 +136,17 @@ class Tracer:
             return
         with self._lock:
             self.totals["arrived"] += 1
-            self._now.arrival(record)
+            self._state(record.replica).arrival(record)
             if self.sample_rate < 1.0 and self._rng.random() >= self.sample_rate:
                 return
             trace = RequestTrace(record.request_id, record.prompt, list(record.prompt_token_ids), [],
                                  record.max_tokens, record.arrival_ns)
             trace.events.append(RequestEvent("arrival", record.arrival_ns,
                                              {"prompt_tokens": len(record.prompt_token_ids)}))
-            trace.events.append(RequestEvent("queued", record.queued_ns, {"waiting": record.num_waiting}))
+            if record.route is not None:  # a cluster's router chose the replica
+                trace.events.append(RequestEvent("routed", record.queued_ns, dict(record.route)))
+            trace.events.append(RequestEvent("queued", record.queued_ns, {"waiting": record.num_waiting,
+                                                                           "replica": record.replica}))
             self._live[record.request_id] = trace
 
     def on_step(self, record: StepRecord) -> None:
@@ -148,7 +154,7 @@ class Tracer:
         if not self._enabled:
             return
         with self._lock:
-            firsts = self._now.step(record)
+            firsts = self._state(record.replica).step(record)
             for row in firsts:
                 self.ttfts.append((record.sample_end_ns, record.sample_end_ns - row.arrival_ns))
             totals = self.totals
@@ -182,8 +188,35 @@ class Tracer:
         if not self._enabled:
             return
         with self._lock:
-            self._now.release(records)
+            for record in records:
+                self._state(record.replica).release([record])
             self._record_releases(records)
+
+    def on_handoff(self, record: HandoffRecord) -> None:
+        """A request moving between replicas: an event in its trace; its live row follows it."""
+        if not self._enabled:
+            return
+        with self._lock:
+            if record.event == "imported":
+                row = self._state(record.source).rows.pop(record.request_id, None)
+                if row is not None:
+                    self._state(record.destination).rows[record.request_id] = row
+            trace = self._live.get(record.request_id)
+            if trace is not None:
+                detail: dict[str, Any] = {"source": record.source, "destination": record.destination,
+                                          "reason": record.reason}
+                if record.detail:
+                    detail["detail"] = record.detail
+                if record.blocks_copied or record.blocks_matched or record.bytes_moved:
+                    detail.update(blocks_copied=record.blocks_copied, blocks_matched=record.blocks_matched,
+                                  bytes_moved=record.bytes_moved)
+                trace.events.append(RequestEvent(f"handoff_{record.event}", record.ts_ns, detail))
+
+    def _state(self, replica: int) -> LiveState:
+        state = self._now.get(replica)
+        if state is None:
+            state = self._now[replica] = LiveState()
+        return state
 
     # ---- recording internals (under the lock) ----------------------------------------------------------
 
@@ -248,6 +281,13 @@ class Tracer:
 
     def _record_releases(self, infos: list[ReleaseInfo]) -> None:
         for info in infos:
+            if info.status == "handed_off":  # it lives on in another replica: a transition, not an end
+                trace = self._live.get(info.request_id)
+                if trace is not None:
+                    trace.events.append(RequestEvent("handoff_released", info.end_ns, {
+                        "replica": info.replica, "blocks": len(info.block_ids),
+                        "kept_cached": info.num_kept_cached, "still_shared": info.num_still_shared}))
+                continue
             self.totals[_TOTAL_KEY.get(info.status, "finished")] += 1
             self.summaries.append(RequestSummary.of(info))
             trace = self._live.get(info.request_id)
@@ -330,8 +370,11 @@ class Tracer:
                 now_ns=self._clock(), origin_ns=self.origin_ns, enabled=self._enabled,
                 sample_rate=self.sample_rate, iterations=list(self.iterations)[-max_iterations:],
                 summaries=list(self.summaries)[-max_requests:],
-                live=[dataclasses.replace(r) for r in list(self._now.rows.values())[:max_requests]],
-                gauges=dataclasses.replace(self._now.gauges) if self._now.gauges is not None else None,
+                live=[dataclasses.replace(r) for state in self._now.values()
+                      for r in state.rows.values()][:max_requests],
+                gauges=dashboard.sum_gauges([s.gauges for s in self._now.values() if s.gauges is not None]),
+                replicas={i: dataclasses.replace(s.gauges) for i, s in sorted(self._now.items())
+                          if s.gauges is not None},
                 ttfts=list(self.ttfts)[-200:], throughput=[list(b) for b in self.throughput][-120:],
                 totals=dict(self.totals),
                 preempted_spans={rid: dashboard.preempted_spans(t) for rid, t in

@@ -36,6 +36,7 @@ from tokenloop.serving.errors import APIError, api_error, internal_error, new_in
 from tokenloop.serving.limits import EdgeGuard, ServerLimits
 from tokenloop.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         VersionResponse)
+from tokenloop.serving.admin_routes import make_admin_router
 from tokenloop.serving.trace_routes import make_trace_router
 from tokenloop.serving.validation import parse_json_object, validate_body
 
@@ -157,6 +158,7 @@ def create_app(
     app.include_router(v1)
     # /v1/trace* and /v1/dashboard/state are behind the key (EdgeGuard); the /dashboard page asks for it.
     app.include_router(make_trace_router(lambda: async_engine.tracer))
+    app.include_router(make_admin_router(lambda: async_engine))
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:

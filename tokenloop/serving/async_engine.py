@@ -172,6 +172,24 @@ class AsyncEngine:
         return cls(None, metrics, client=client, config=config, tokenizer=tokenizer, tracer=tracer,
                    observers=observers, **options)
 
+    @classmethod
+    def with_replicas(cls, config: EngineConfig, cluster: Any, metrics: EngineMetrics | None = None, *,
+                      checkpoint: Checkpoint | None = None, tracer: Observes | None = None,
+                      observers: Sequence[Observes] = (), startup_timeout_s: float = 300.0,
+                      **options: Any) -> AsyncEngine:
+        """N engine cores behind a router (`cluster`: a `tokenloop.cluster.launch.ClusterOptions`); returns
+        once every replica is ready. This process holds the tokenizer, the router and the records."""
+        from tokenloop.cluster.launch import start_replica_set
+        from tokenloop.model.loader import load_model_info
+
+        tokenizer = (checkpoint.tokenizer if checkpoint is not None
+                     else load_model_info(config.model).tokenizer)
+        client = start_replica_set(config, cluster, checkpoint=checkpoint, startup_timeout_s=startup_timeout_s)
+        if tracer is not None and hasattr(tracer, "bind"):
+            tracer.bind(tokenizer, client.info.block_size, default_clock)
+        return cls(None, metrics, client=client, config=config, tokenizer=tokenizer, tracer=tracer,
+                   observers=observers, **options)
+
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -17,13 +17,14 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
 from tokenloop.core import wire
-from tokenloop.core.core_loop import CoreLoop
+from tokenloop.core.core_loop import CoreLoop, RecordBuffer
 from tokenloop.core.messages import CoreFrame, CoreReady, InputMessage, Shutdown
 from tokenloop.errors import EngineStoppedError, ModelLoadError
 
@@ -66,9 +67,14 @@ class CoreClient(Protocol):
 class InProcessCoreClient:
     """The core on the caller's thread: `receive` runs one turn of its loop (one step when there is work)."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, *, records_in_frames: bool = False) -> None:
         self.core = core
-        self.loop = CoreLoop(core)  # no record buffer: the core's own observers see every record
+        buffer = None
+        if records_in_frames:  # as across a process boundary: the frames carry the records (a replica set)
+            buffer = RecordBuffer()
+            core.observers.add(buffer)
+        # Without a buffer the core's own observers see every record.
+        self.loop = CoreLoop(core, buffer)
         kv = core.kv_cache
         self.info = CoreInfo(core.max_model_len, core.vocab_size, kv.num_blocks, kv.block_size,
                              core.dtype_choice.describe(), os.getpid())
@@ -101,6 +107,80 @@ class InProcessCoreClient:
             self.loop.turn()
 
 
+class CoreSockets:
+    """The front end's two sockets to one engine core, bound on ipc:// paths in a private temp dir (mode
+    0700): PUSH for its messages in, PULL for its frames out. Whoever hosts the core (a process, a Ray
+    actor on this host) connects it to `input_address` and `output_address`."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="tokenloop-core-")
+        self._context = zmq.Context()
+        self.inputs = self._context.socket(zmq.PUSH)
+        self.outputs = self._context.socket(zmq.PULL)
+        self.inputs.setsockopt(zmq.LINGER, 0)
+        self.outputs.setsockopt(zmq.LINGER, 0)
+        self.input_address = f"ipc://{self._dir}/input"
+        self.output_address = f"ipc://{self._dir}/output"
+        self.inputs.bind(self.input_address)
+        self.outputs.bind(self.output_address)
+
+    def wait_ready(self, timeout_s: float, what: str, sentinel: Any,
+                   death: Callable[[], str | None]) -> CoreInfo:
+        """The core's `CoreReady` as a CoreInfo; ModelLoadError with the core's reason if it could not
+        build, EngineStoppedError if `sentinel` (readable once `what` is gone) fires or time runs out."""
+        poller = zmq.Poller()
+        poller.register(self.outputs, zmq.POLLIN)
+        poller.register(sentinel, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                raise EngineStoppedError(f"{what} did not become ready in {timeout_s:.0f} s")
+            ready = dict(poller.poll(left_ms))
+            if self.outputs in ready:
+                message = wire.decode(self.outputs.recv())
+                if not isinstance(message, CoreReady):
+                    raise EngineStoppedError(f"{what} sent {type(message).__name__} before it was ready")
+                if message.error is not None:
+                    raise ModelLoadError(f"the engine core failed to start: {message.error.kind}: "
+                                         f"{message.error.message}")
+                return CoreInfo(message.max_model_len, message.vocab_size, message.num_blocks,
+                                message.block_size, message.dtype, message.pid)
+            why = death()
+            if why is not None:
+                raise EngineStoppedError(f"{why} while starting")
+
+    def send(self, messages: list[InputMessage]) -> None:
+        if messages:
+            self.inputs.send(wire.encode_batch(messages), copy=False)
+
+    def send_shutdown(self) -> None:
+        try:
+            self.inputs.send(wire.encode_batch([Shutdown()]), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # nobody connected (the core is gone or never came): nothing to tell
+
+    def receive(self) -> list[CoreFrame]:
+        """Every frame that has arrived, without waiting."""
+        frames = []
+        while True:
+            try:
+                data = self.outputs.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return frames
+            message = wire.decode(data)
+            if isinstance(message, CoreReady) and message.error is not None:  # the core's last words
+                logger.critical("the engine core failed: %s: %s", message.error.kind, message.error.message)
+                continue
+            frames.append(message)
+
+    def close(self) -> None:
+        self.inputs.close(linger=0)
+        self.outputs.close(linger=0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
 class CoreProcessClient:
     """Starts the engine core in its own process and talks to it over two ipc:// sockets.
 
@@ -112,72 +192,31 @@ class CoreProcessClient:
                  startup_timeout_s: float = 300.0, log_level: int | None = None) -> None:
         from tokenloop.core.core_process import run_core_process
 
-        self._dir = tempfile.mkdtemp(prefix="tokenloop-core-")  # private: mode 0700
-        self._context = zmq.Context()
-        self._inputs = self._context.socket(zmq.PUSH)
-        self._outputs = self._context.socket(zmq.PULL)
-        self._inputs.setsockopt(zmq.LINGER, 0)
-        self._outputs.setsockopt(zmq.LINGER, 0)
-        input_address = f"ipc://{self._dir}/input"
-        output_address = f"ipc://{self._dir}/output"
-        self._inputs.bind(input_address)
-        self._outputs.bind(output_address)
+        self._sockets = CoreSockets()
         level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_core_process, name="tokenloop-engine-core", daemon=True,
-            args=(config, checkpoint, input_address, output_address, os.getpid(), level))
+            args=(config, checkpoint, self._sockets.input_address, self._sockets.output_address, os.getpid(),
+                  level))
         self._closed = False
         try:
             self.process.start()
-            self.info = self._wait_ready(startup_timeout_s)
+            self.info = self._sockets.wait_ready(startup_timeout_s, "the engine core process",
+                                                 self.process.sentinel, self.death)
         except BaseException:
             self.close(timeout_s=1.0)
             raise
 
-    def _wait_ready(self, timeout_s: float) -> CoreInfo:
-        poller = zmq.Poller()
-        poller.register(self._outputs, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                raise EngineStoppedError(f"the engine core process did not become ready in {timeout_s:.0f} s")
-            ready = dict(poller.poll(left_ms))
-            if self._outputs in ready:
-                message = wire.decode(self._outputs.recv())
-                if not isinstance(message, CoreReady):
-                    raise EngineStoppedError(
-                        f"the engine core sent {type(message).__name__} before it was ready")
-                if message.error is not None:
-                    raise ModelLoadError(f"the engine core failed to start: {message.error.kind}: "
-                                         f"{message.error.message}")
-                return CoreInfo(message.max_model_len, message.vocab_size, message.num_blocks,
-                                message.block_size, message.dtype, message.pid)
-            if self.death() is not None:
-                raise EngineStoppedError(f"{self.death()} while starting")
-
     def send(self, messages: list[InputMessage]) -> None:
-        if messages:
-            self._inputs.send(wire.encode_batch(messages), copy=False)
+        self._sockets.send(messages)
 
     def receive(self) -> list[CoreFrame]:
         """Every frame that has arrived, without waiting."""
-        frames = []
-        while True:
-            try:
-                data = self._outputs.recv(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return frames
-            message = wire.decode(data)
-            if isinstance(message, CoreReady) and message.error is not None:  # the core's last words
-                logger.critical("the engine core failed: %s: %s", message.error.kind, message.error.message)
-                continue
-            frames.append(message)
+        return self._sockets.receive()
 
     def pollables(self) -> list[Any]:
         # The sentinel becomes readable the moment the process exits: death is seen at once, not polled.
-        return [self._outputs, self.process.sentinel]
+        return [self._sockets.outputs, self.process.sentinel]
 
     def poll_timeout_ms(self) -> int | None:
         return None  # the core steps on its own; its frames and its death both wake the poller
@@ -195,16 +234,10 @@ class CoreProcessClient:
         self._closed = True
         process = self.process
         if process.pid is not None and process.exitcode is None:
-            try:
-                self._inputs.send(wire.encode_batch([Shutdown()]), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            self._sockets.send_shutdown()
             process.join(timeout_s)
             if process.exitcode is None:
                 logger.warning("the engine core did not exit in %.1f s; killing it", timeout_s)
                 process.kill()
                 process.join(timeout_s)
-        self._inputs.close(linger=0)
-        self._outputs.close(linger=0)
-        self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self._sockets.close()

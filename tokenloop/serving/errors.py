@@ -17,7 +17,14 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from tokenloop.errors import (CapacityError, EngineStoppedError, InvalidRequestError, RequestFailedError)
+from tokenloop.errors import (
+    CapacityError,
+    ClusterConflictError,
+    EngineStoppedError,
+    InvalidRequestError,
+    ReplicaNotFoundError,
+    RequestFailedError,
+)
 from tokenloop.serving.protocol import ErrorInfo, ErrorResponse
 from tokenloop.serving.sse import frame
 
@@ -69,6 +76,10 @@ def api_error(exc: BaseException) -> APIError:
         retry = max(1, math.ceil(exc.retry_after_s))
         return APIError(429, str(exc), "rate_limit_error", None, "rate_limit_exceeded",
                         headers={"Retry-After": str(retry)})
+    if isinstance(exc, ReplicaNotFoundError):
+        return APIError(404, str(exc), "not_found_error", None, "replica_not_found")
+    if isinstance(exc, ClusterConflictError):
+        return APIError(409, str(exc), "invalid_request_error", None, "conflict")
     if isinstance(exc, EngineStoppedError):
         return APIError(503, str(exc), "server_error", None, "service_unavailable")
     if isinstance(exc, RequestFailedError):

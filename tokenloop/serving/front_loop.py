@@ -58,10 +58,12 @@ class FrontLoop:
         e, client = self.e, self.client
         poller = zmq.Poller()
         poller.register(e._wake_read, zmq.POLLIN)
-        for pollable in client.pollables():
+        registered = list(client.pollables())
+        for pollable in registered:
             poller.register(pollable, zmq.POLLIN)
         try:
             while True:
+                registered = _reregister(poller, registered, client.pollables())
                 with e._lock:
                     idle = not e._commands
                 if idle:
@@ -279,6 +281,8 @@ class FrontLoop:
             observers.release(core.releases)
             if core.record is not None:
                 observers.step(core.record)
+            for handoff in core.handoffs:
+                observers.handoff(handoff)
         processed = self.outputs.process(core)
         for core_id, stop in processed.stopped:
             self._messages.append(FinishRequests([core_id], "stop", stop))
@@ -315,6 +319,22 @@ class FrontLoop:
             except RuntimeError:  # that loop is closed: its requests have no reader left
                 ids = [rid for stream, _ in items for rid in stream.request_ids if rid in e._live]
                 self._abort(ids, notify=False)
+
+
+def _reregister(poller: zmq.Poller, registered: list[Any], now: list[Any]) -> list[Any]:
+    """Follow a client whose sockets change (a replica set restarting a dead replica)."""
+    if now == registered:
+        return registered
+    for pollable in registered:
+        if pollable not in now:
+            try:
+                poller.unregister(pollable)
+            except (KeyError, ValueError, zmq.ZMQError):  # a closed socket of a dead replica
+                pass
+    for pollable in now:
+        if pollable not in registered:
+            poller.register(pollable, zmq.POLLIN)
+    return list(now)
 
 
 def ae_live(spec: RequestSpec, stream: RequestStream) -> Any:

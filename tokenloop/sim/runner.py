@@ -66,6 +66,16 @@ class SimulatedRunner:
     def block_table(self, request_id: str) -> list[int]:
         return []
 
+    # A handoff moves block hashes only: there is no K/V to carry.
+    kv_layout = "simulated"
+    kv_bytes_per_token = 0
+
+    def read_block(self, block_id: int, num_tokens: int) -> bytes:
+        return b""
+
+    def write_block(self, block_id: int, data: bytes, num_tokens: int) -> None:
+        """Nothing to write."""
+
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """The step's logits (one-hot on the dictated token per sampling row), its modelled time passed."""
         features = features_of_schedule(output)

@@ -83,6 +83,15 @@ class Tokenizer:
         self.max_token_chars = max((len(t) for t in backend.get_vocab(with_added_tokens=True)),
                                    default=1) or 1
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A Checkpoint crosses into an engine core's process (a Ray actor's argument): the lock and the
+        # compiled templates (a cache) do not pickle; the copy gets its own.
+        return {**self.__dict__, "_literal_lock": None, "_compiled_templates": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._literal_lock = threading.Lock()
+
     # -- construction ------------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any], source: str) -> Tokenizer:

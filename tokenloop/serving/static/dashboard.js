@@ -264,9 +264,29 @@
 
   // ---- polling ------------------------------------------------------------------------------------------------
 
+  function renderReplicas(replicas) {
+    var panel = $("replicas-panel");
+    if (!replicas || replicas.length < 2) { panel.hidden = true; return; }
+    panel.hidden = false;
+    var body = $("replicas-body");
+    body.textContent = "";
+    replicas.forEach(function (r) {
+      var row = document.createElement("tr");
+      var used = r.num_blocks ? fmt(100 * r.referenced / r.num_blocks, 1) + " %" : "–";
+      [r.index, r.running, r.waiting, r.preempted, used,
+       fmt(100 * (r.prefix_cache_hit_rate || 0), 1) + " %"].forEach(function (v) {
+        var cell = document.createElement("td");
+        cell.textContent = String(v);
+        row.appendChild(cell);
+      });
+      body.appendChild(row);
+    });
+  }
+
   function render(state) {
     renderCounters(state);
     renderKV(state.kv);
+    renderReplicas(state.replicas);
     renderStageBars(state.iterations);
     renderThroughput(state);
     renderTTFT(state);

@@ -1,0 +1,353 @@
+"""Request handoff: one engine core exports a request (state + missing KV blocks), another imports it.
+
+The protocol is a lease with acknowledgement. `export` pauses the request on the source (EXPORTING: the
+scheduler skips it, its blocks stay referenced) and returns a `KVSnapshot` carrying a lease. The
+destination's `import_` takes it or refuses with a reason (never raises for a refusal). The source then
+gets the ack (`complete`: its references are released, not evicted: the blocks keep their hashes) or the
+nack (`resume`); a lease nobody answered resumes the request by itself once it expires, on the source's
+clock, checked once per step. Correctness never depends on the copy: a block the destination neither holds
+nor received is recomputed there from the longest usable prefix.
+
+Full blocks never change once written (their hash names their tokens), so live migration can pre-copy
+them while the request keeps decoding (`precopy` / `store`) and the final export skips them by hash.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenloop.core.kv_cache import KVBlock, KVCacheManager
+from tokenloop.core.scheduler import Scheduler
+from tokenloop.errors import CapacityError, InvalidRequestError
+from tokenloop.request import NS_PER_S, Clock, Request, RequestStatus, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenloop.runner import ModelRunner
+    from tokenloop.sampler import Sampler
+    from tokenloop.structured.engine_hooks import StructuredOutputs
+
+
+@dataclass(slots=True)
+class KVBlockData:
+    """One full block's (or the partial tail block's) K/V for every layer, as bytes."""
+
+    block_hash: int | None  # None for the partial tail block
+    num_tokens: int
+    data: bytes  # K then V of each layer for the first num_tokens slots, in the engine's KV dtype, C order
+    parent_hash: int | None = None  # the block before it in its chain: the destination's KV events name it
+    token_ids: list[int] = field(default_factory=list)  # its tokens, for the same events
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Everything to continue a request elsewhere; times are ages at export, so they rebase."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    user: str | None
+    cache_salt: str | None
+    prompt: str | None
+    generator_state: bytes | None  # a seeded request's torch.Generator state
+    age_ns: int  # now - arrival, at export
+    first_scheduled_age_ns: int | None
+    first_token_age_ns: int | None
+    token_ages_ns: list[int]  # each output token's age: inter-token latencies survive the move
+    num_cached_tokens: int
+    num_preemptions: int
+    fair_charge: float  # what its service cost its user's account at the source (fair-share policy)
+    num_prompt_logprobs_sent: int = 0  # prompt logprobs already reported to its user
+
+
+@dataclass(slots=True)
+class KVSnapshot:
+    """A request in transit, and the lease under which the source keeps its blocks."""
+
+    lease_id: str
+    request: RequestState
+    model: str
+    block_size: int
+    kv_layout: str  # the destination refuses a mismatch of any of these three, naming both
+    num_computed_tokens: int
+    block_hashes: list[int]  # every full block of the computed tokens, in order
+    blocks: list[KVBlockData]  # the full blocks not skipped by hash, then the partial tail (if any)
+    lease_expires_ns: int  # source clock: after it the source resumes the request
+
+
+@dataclass(slots=True)
+class ImportResult:
+    """What the destination did with a snapshot."""
+
+    request_id: str
+    accepted: bool
+    reason: str | None  # why it refused
+    num_blocks_matched: int = 0  # found by hash in its own prefix cache
+    num_blocks_copied: int = 0  # written from the snapshot (the tail counted)
+    num_tokens_recomputed: int = 0  # computed at the source, recomputed here
+    bytes_copied: int = 0
+
+
+@dataclass(slots=True)
+class _Lease:
+    request_id: str
+    expires_ns: int
+
+
+class HandoffStage:
+    """The engine core's handoff stage over its scheduler, KV cache and runner; holds the open leases."""
+
+    def __init__(self, model: str, scheduler: Scheduler, kv_cache: KVCacheManager, runner: ModelRunner,
+                 sampler: Sampler, structured: StructuredOutputs, vocab_size: int, eos_token_id: int | None,
+                 max_num_seqs: int, clock: Clock) -> None:
+        self.model = model
+        self.scheduler = scheduler
+        self.kv = kv_cache
+        self.runner = runner
+        self.sampler = sampler
+        self.structured = structured
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.max_num_seqs = max_num_seqs
+        self.clock = clock
+        self._leases: dict[str, _Lease] = {}
+        self._num_leases = 0
+
+    # ---- the source side -----------------------------------------------------------------------------
+
+    def export(self, request: Request, skip_hashes: list[int], lease_s: float,
+               num_prompt_logprobs_sent: int = 0) -> KVSnapshot:
+        """Pause `request` (unfinished, not exporting) and describe it, with the blocks not in skip_hashes."""
+        if not 0 < lease_s < math.inf:
+            raise InvalidRequestError(f"lease_s must be a positive number of seconds, got {lease_s}",
+                                      param="lease_s")
+        if request.status is RequestStatus.EXPORTING:
+            raise InvalidRequestError(f"request {request.request_id!r} is already being exported",
+                                      param="request_id")
+        now = self.clock()
+        charge = self.scheduler.policy.charge(request)
+        computed = request.num_computed_tokens
+        num_full = computed // self.kv.block_size
+        hashes = list(self.kv.block_hashes(request)[:num_full])
+        blocks = self._block_data(request, computed, set(skip_hashes), with_tail=True)
+        self.scheduler.pause(request.request_id)  # after reading: a read that raises leaves it running
+        self._num_leases += 1
+        lease_id = f"{request.request_id}#{self._num_leases}"
+        expires = now + int(lease_s * NS_PER_S)
+        self._leases[lease_id] = _Lease(request.request_id, expires)
+        return KVSnapshot(lease_id, _state_of(request, now, charge, num_prompt_logprobs_sent), self.model,
+                          self.kv.block_size, self.runner.kv_layout, computed, hashes, blocks, expires)
+
+    def complete(self, lease_id: str) -> Request | None:
+        """The ack: the request leaves (HANDED_OFF, references released); None if there is no such lease."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return None
+        return self.scheduler.finish_request(lease.request_id, RequestStatus.HANDED_OFF)
+
+    def resume(self, lease_id: str) -> bool:
+        """The nack: the request runs here again. False if there is no such lease (answered or expired)."""
+        lease = self._leases.pop(lease_id, None)
+        return lease is not None and self.scheduler.resume(lease.request_id) is not None
+
+    def expire(self) -> list[str]:
+        """Resume every request whose lease ran out; their ids. Once per step."""
+        if not self._leases:
+            return []
+        now = self.clock()
+        expired = [lease_id for lease_id, lease in self._leases.items() if lease.expires_ns <= now]
+        ids = [self._leases[lease_id].request_id for lease_id in expired]
+        for lease_id in expired:
+            self.resume(lease_id)
+        return ids
+
+    def drop(self, request_id: str) -> None:
+        """Forget the lease of a request that ended here (aborted while exporting)."""
+        for lease_id in [k for k, lease in self._leases.items() if lease.request_id == request_id]:
+            del self._leases[lease_id]
+
+    def precopy(self, request: Request, skip_hashes: list[int]) -> list[KVBlockData]:
+        """The request's computed full blocks not in skip_hashes, read without pausing it."""
+        return self._block_data(request, request.num_computed_tokens, set(skip_hashes), with_tail=False)
+
+    def _block_data(self, request: Request, num_tokens: int, skip: set[int],
+                    with_tail: bool) -> list[KVBlockData]:
+        size = self.kv.block_size
+        table = self.kv.get_blocks(request.request_id)
+        hashes = self.kv.block_hashes(request)
+        tokens = request.all_token_ids
+        num_full = num_tokens // size
+        if len(table) < self.kv.num_blocks_for(num_tokens):
+            raise RuntimeError(f"{request.request_id}: {len(table)} blocks cannot hold {num_tokens} tokens")
+        read = self.runner.read_block
+        blocks = [KVBlockData(hashes[i], size, read(table[i].block_id, size), hashes[i - 1] if i else None,
+                              tokens[i * size:(i + 1) * size])
+                  for i in range(num_full) if hashes[i] not in skip]
+        tail = num_tokens - num_full * size
+        if with_tail and tail:
+            blocks.append(KVBlockData(None, tail, read(table[num_full].block_id, tail),
+                                      hashes[num_full - 1] if num_full else None,
+                                      tokens[num_full * size:num_tokens]))
+        return blocks
+
+    # ---- the destination side ------------------------------------------------------------------------
+
+    def import_(self, snapshot: KVSnapshot, id_in_use: bool) -> tuple[ImportResult, Request | None]:
+        """Take the request (RUNNING with its K/V, or WAITING to recompute what it lacks) or refuse."""
+        state = snapshot.request
+        reason = self._refusal(snapshot, id_in_use)
+        request = None
+        if reason is None:
+            try:
+                request = self._rebuild(state)
+            except (InvalidRequestError, ValueError) as exc:
+                reason = f"the request cannot continue here: {exc}"
+        if request is not None and reason is None:
+            needed = self.kv.num_blocks_for(self.scheduler.max_kv_tokens(request))
+            max_tokens = request.sampling_params.max_tokens
+            final_len = (request.num_prompt_tokens + max_tokens if max_tokens is not None
+                         else request.num_tokens)
+            if final_len > self.scheduler.max_model_len:  # it would stop short here: not the same request
+                reason = (f"no room: the request may grow to {final_len} tokens and this engine's context "
+                          f"holds {self.scheduler.max_model_len}")
+            elif needed > self.kv.num_blocks:
+                reason = (f"no room: the request may need {needed} blocks of {self.kv.block_size} and this "
+                          f"engine's whole pool holds {self.kv.num_blocks}")
+        if reason is not None or request is None:
+            return ImportResult(state.request_id, False, reason), None
+        copies = {b.block_hash: b for b in snapshot.blocks if b.block_hash is not None}
+        tail = next((b for b in snapshot.blocks if b.block_hash is None), None)
+        plan: list[KVBlock | None] = []  # per full block: matched here, or None (copied from the snapshot)
+        for block_hash in snapshot.block_hashes:
+            block = self.kv.pool.lookup(block_hash) if self.kv.enable_caching else None
+            if block is None and block_hash not in copies:
+                break  # evicted meanwhile, or skipped in error: recompute from here on
+            plan.append(block)
+        computed = snapshot.num_computed_tokens
+        whole = len(plan) == len(snapshot.block_hashes) and (tail is not None
+                                                               or computed % self.kv.block_size == 0)
+        if computed and whole and self.scheduler.num_running < self.max_num_seqs:
+            result = self._adopt(snapshot, request, plan, copies, tail)
+        else:
+            result = self._queue(snapshot, request, plan, copies)
+        if result.accepted:
+            self.scheduler.policy.on_imported(request, state.fair_charge)
+            return result, request
+        return result, None
+
+    def store(self, blocks: list[KVBlockData]) -> int:
+        """Put full blocks from elsewhere into the prefix cache, unreferenced (a pre-copy); how many."""
+        full = [b for b in blocks if b.block_hash is not None and self._fits(b)]
+        entries = [(b.block_hash, b.parent_hash, b.token_ids) for b in full if b.block_hash is not None]
+
+        def write(block_id: int, i: int) -> None:
+            self.runner.write_block(block_id, full[i].data, full[i].num_tokens)
+
+        return self.kv.store_cached(entries, write)
+
+    def _fits(self, block: KVBlockData) -> bool:
+        return len(block.data) == block.num_tokens * self.runner.kv_bytes_per_token
+
+    def _refusal(self, snapshot: KVSnapshot, id_in_use: bool) -> str | None:
+        state = snapshot.request
+        mine = (self.model, self.kv.block_size, self.runner.kv_layout)
+        theirs = (snapshot.model, snapshot.block_size, snapshot.kv_layout)
+        for name, here, there in zip(("model", "block size", "KV layout"), mine, theirs):
+            if here != there:
+                return f"other {name}: the snapshot's is {there!r}, this engine's {here!r}"
+        if id_in_use:
+            return f"duplicate id: request {state.request_id!r} is already in this engine"
+        vocab = self.vocab_size
+        bad = [t for t in (*state.prompt_token_ids, *state.output_token_ids) if not 0 <= t < vocab]
+        if bad:
+            return f"token id {bad[0]} is outside this engine's vocabulary [0, {vocab})"
+        if not state.prompt_token_ids:
+            return "the prompt is empty"
+        if snapshot.num_computed_tokens >= len(state.prompt_token_ids) + len(state.output_token_ids):
+            return "the snapshot claims more computed tokens than the request has"
+        wrong = [b for b in snapshot.blocks if not self._fits(b)]
+        if wrong:
+            block = wrong[0]
+            return (f"a block carries {len(block.data)} bytes for {block.num_tokens} tokens; this engine "
+                    f"keeps {self.runner.kv_bytes_per_token} per token")
+        return None
+
+    def _rebuild(self, state: RequestState) -> Request:
+        """The request as this engine's own: times rebased to its clock, generator and grammar restored."""
+        if state.params.n != 1:
+            raise InvalidRequestError("the engine core takes one sample per request (n=1)")
+        self.sampler.validate(state.params)
+        now = self.clock()
+        request = Request(state.request_id, state.prompt_token_ids, state.params, now - state.age_ns,
+                          prompt=state.prompt, priority=state.priority, user=state.user,
+                          cache_salt=state.cache_salt, eos_token_id=self.eos_token_id)
+        for token in state.output_token_ids:
+            request.append_output_token(token)
+        times = request.times
+        scheduled_age, token_age = state.first_scheduled_age_ns, state.first_token_age_ns
+        times.first_scheduled = None if scheduled_age is None else now - scheduled_age
+        times.first_token = None if token_age is None else now - token_age
+        times.token_times = [now - age for age in state.token_ages_ns]
+        request.num_cached_tokens = state.num_cached_tokens
+        request.num_preemptions = state.num_preemptions
+        if state.generator_state is not None:
+            request.generator = torch.Generator()
+            request.generator.set_state(torch.frombuffer(bytearray(state.generator_state), dtype=torch.uint8))
+        grammar = self.structured.compile(state.params.structured_outputs)
+        if grammar is not None:  # replaying the output rebuilds the matcher's state exactly
+            matcher = grammar.new_matcher()
+            for token in state.output_token_ids:
+                if not matcher.accept(token):
+                    raise ValueError(f"output token {token} does not fit its grammar here: {matcher.error}")
+            request.structured = matcher
+        return request
+
+    def _adopt(self, snapshot: KVSnapshot, request: Request, plan: list[KVBlock | None],
+               copies: dict[int, KVBlockData], tail: KVBlockData | None) -> ImportResult:
+        """RUNNING with every computed token's K/V: matched blocks touched, the rest written to fresh ones."""
+        request.num_computed_tokens = snapshot.num_computed_tokens
+        written = [copies[h] for h, block in zip(snapshot.block_hashes, plan) if block is None]
+        if tail is not None:
+            plan, written = [*plan, None], [*written, tail]
+        fresh = self.kv.adopt(request, plan)
+        if fresh is None:
+            return ImportResult(request.request_id, False,
+                                f"no room: {len(written)} free blocks needed, {self.kv.num_free_blocks} free")
+        for block, data in zip(fresh, written):
+            self.runner.write_block(block.block_id, data.data, data.num_tokens)
+        self.scheduler.adopt_running(request)
+        return ImportResult(request.request_id, True, None, len(plan) - len(written), len(written), 0,
+                            sum(len(d.data) for d in written))
+
+    def _queue(self, snapshot: KVSnapshot, request: Request, plan: list[KVBlock | None],
+               copies: dict[int, KVBlockData]) -> ImportResult:
+        """WAITING: what arrived goes to the prefix cache; admission finds it by hash, recomputes the rest."""
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        try:
+            self.scheduler.add_request(request)
+        except (InvalidRequestError, CapacityError) as exc:
+            return ImportResult(request.request_id, False, f"refused by the scheduler: {exc}")
+        usable = [copies[h] for h, block in zip(snapshot.block_hashes, plan) if block is None]
+        stored = self.store(usable)
+        usable_tokens = len(plan) * self.kv.block_size
+        return ImportResult(request.request_id, True, None, len(plan) - len(usable), stored,
+                            max(0, snapshot.num_computed_tokens - usable_tokens),
+                            sum(len(d.data) for d in usable))
+
+
+def _state_of(request: Request, now: int, charge: float, num_prompt_logprobs_sent: int) -> RequestState:
+    times = request.times
+    generator = request.generator
+    return RequestState(
+        request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
+        request.sampling_params, request.priority, request.user, request.cache_salt, request.prompt,
+        generator.get_state().numpy().tobytes() if generator is not None else None,
+        now - times.arrival, None if times.first_scheduled is None else now - times.first_scheduled,
+        None if times.first_token is None else now - times.first_token, [now - t for t in times.token_times],
+        request.num_cached_tokens, request.num_preemptions, charge, num_prompt_logprobs_sent)
