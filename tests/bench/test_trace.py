@@ -159,3 +159,28 @@ def test_json_array_reader_keeps_what_precedes_a_cut() -> None:
     assert [c["id"] for c in iter_json_array(text)] == [1, 2, 3]
     assert [c["id"] for c in iter_json_array(text[:text.index('"id": 3') + 4])] == [1, 2]
     assert list(iter_json_array("[]")) == []
+
+
+def test_session_traces_extend_each_turn_and_hot_prefixes_dominate() -> None:
+    from tokenloop.bench.trace import TraceConfig, make_session_trace, make_trace
+
+    config = TraceConfig(num_requests=40, seed=3, session_turns=4, think_time_s=1.0, prefix_fraction=0.5,
+                         prefix_len=32, prompt_len_median=20, max_prompt_len=40, max_output_len=16)
+    trace = make_session_trace(config)
+    assert len(trace) == 40 and trace == make_session_trace(config)
+    assert [r.arrival_s for r in trace] == sorted(r.arrival_s for r in trace)
+    by_session: dict[str, list] = {}
+    for request in trace:
+        by_session.setdefault(request.user, []).append(request)
+    assert len(by_session) == 10
+    for turns in by_session.values():
+        assert [r.id.split("-t")[1] for r in turns] == [str(i) for i in range(4)]
+        for before, after in zip(turns, turns[1:]):
+            # The next turn holds the previous prompt, its reply's length of tokens, then a new message.
+            assert after.prompt_tokens[:len(before.prompt_tokens)] == before.prompt_tokens
+            assert len(after.prompt_tokens) > len(before.prompt_tokens) + before.max_tokens
+    hot = make_trace(TraceConfig(num_requests=400, prefix_fraction=1.0, num_prefix_groups=8,
+                                 hot_prefix_share=0.75))
+    share = sum(r.prefix_id == "prefix-0" for r in hot) / len(hot)
+    assert 0.7 < share < 0.85  # 0.75 hot plus its 1/8 of the rest
+    assert make_trace(TraceConfig(num_requests=50)) == make_trace(TraceConfig(num_requests=50, hot_prefix_share=0))

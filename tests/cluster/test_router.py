@@ -336,3 +336,18 @@ def test_the_tracker_follows_a_real_core_queue_and_finishes(tiny: Checkpoint) ->
     view = tracker.views()[0]
     assert view.queued_prefill_tokens == 0 and not view.inflight
     assert view.mirror.hashes == _index(core)
+
+
+def test_a_full_replica_waits_for_finishes_before_it_admits() -> None:
+    prompt = _prompt(64)
+    hashes = set(prompt_block_hashes(RouteRequest("x", prompt), BS))
+    router = CostRouter(RouterConfig(block_size=BS))
+    holder = _load(1, running=8, hashes=hashes)
+    holder.num_free_blocks, holder.finish_rate_per_s, holder.blocks_per_finish = 0, 5.0, 20.0
+    other = _load(0, running=8)
+    other.num_free_blocks = 1000
+    # The holder has no free block: one finish (0.2 s away) frees enough; recomputing 60 tokens is cheaper.
+    decision = router.route(RouteRequest("r", prompt), [other, holder])
+    assert decision.replica == 0 and decision.scores[1] > decision.scores[0] + 0.1
+    holder.num_free_blocks = 100
+    assert router.route(RouteRequest("r", prompt), [other, holder]).replica == 1

@@ -125,6 +125,7 @@ class ReplicaLoad:
     unadmitted_blocks: int = 0  # the blocks those need
     finish_rate_per_s: float | None = None  # requests finished per second lately
     blocks_per_finish: float | None = None  # blocks a finishing request frees, on average
+    mean_output_tokens: float | None = None  # tokens a finished request produced there, on average
     inflight: Mapping[int, int] = field(default_factory=dict)  # block hashes of requests still prefilling
     recent: Mapping[int, None] = field(default_factory=dict)  # block hashes routed there lately (bounded)
 
@@ -141,6 +142,10 @@ class ReplicaLoad:
         known = self.mirror.longest_prefix(block_hashes) if self.mirror_trusted else \
             _longest(self.recent, block_hashes)
         return max(known, _longest(self.inflight, block_hashes))
+
+
+def _ewma(mean: float | None, value: float, weight: float = 0.1) -> float:
+    return float(value) if mean is None else (1 - weight) * mean + weight * value
 
 
 def _longest(hashes: Mapping[int, object], chain: Sequence[int]) -> int:
@@ -178,6 +183,7 @@ class _Replica:
         self.unadmitted_blocks = 0
         self.finishes: deque[int] = deque(maxlen=32)  # instants (ns) of the last finishes
         self.blocks_per_finish: float | None = None  # EWMA
+        self.mean_output_tokens: float | None = None  # EWMA
         self.inflight: Counter[int] = Counter()
         self.recent: OrderedDict[int, None] = OrderedDict()
         self.mirror = KVIndexMirror()
@@ -204,8 +210,8 @@ class _Replica:
             return
         self.finishes.append(now_ns)
         freed = -(-(flight.num_prompt_tokens + flight.num_output_tokens) // block_size)
-        self.blocks_per_finish = freed if self.blocks_per_finish is None else \
-            0.9 * self.blocks_per_finish + 0.1 * freed
+        self.blocks_per_finish = _ewma(self.blocks_per_finish, freed)
+        self.mean_output_tokens = _ewma(self.mean_output_tokens, flight.num_output_tokens)
         self.drop_flight(request_id)
 
     def finish_rate_per_s(self, now_ns: int) -> float | None:
@@ -399,5 +405,6 @@ class LoadTracker:
                 num_blocks=state.num_blocks, num_free_blocks=state.num_free_blocks,
                 unadmitted=state.unadmitted, unadmitted_blocks=state.unadmitted_blocks,
                 finish_rate_per_s=state.finish_rate_per_s(now), blocks_per_finish=state.blocks_per_finish,
+                mean_output_tokens=state.mean_output_tokens,
                 inflight=state.inflight, recent=state.recent))
         return out

@@ -4,10 +4,12 @@
 - `least-load`: vLLM's data-parallel balance, `4 x waiting + running` (the waiting count includes the
   requests routed since the replica's last stats).
 - `cost`: the predicted time to first token on each replica, in seconds from its measured step costs:
-  the prefill queued there plus this prompt's uncached part (exact prefix hits: the prompt's chained
-  block hashes, computed with the engine's own `hash_block` and salt, looked up in the replica's KV
-  mirror), chunked into steps that also carry its running decodes. A hot prefix held by one replica
-  stops winning there as soon as its queue costs more than recomputing the prefix elsewhere.
+  the wait for admission (free blocks and sequence slots, freed at the measured finish rate), then the
+  prefill queued there plus this prompt's uncached part (exact prefix hits: the prompt's chained block
+  hashes, computed with the engine's own `hash_block` and salt, looked up in the replica's KV mirror),
+  chunked into steps that also carry its running decodes; plus what the decode rows beside it will add
+  to its own decode. A hot prefix held by one replica stops winning there as soon as its queue (or its
+  batch) costs more than recomputing the prefix elsewhere.
 
 Ties (scores within `tie_epsilon` of the best, relatively) keep affinity, never a rotating tie-break
 (that spread multi-turn sessions over ranks in vllm #52463): the session's last replica if it is among
@@ -64,6 +66,11 @@ class RouterConfig:
     max_num_batched_tokens: int = 512  # the replicas' per-step token budget: prefill chunks into steps
     max_num_seqs: int = 64  # the replicas' sequence slots: beyond them a request waits for a finish
     typical_decode_steps: int = 128  # until finishes are measured: a running request's remaining steps
+    # cost: how much the decode rows beside a request weigh against its TTFT. 0 is TTFT alone, which piles
+    # a hot prefix onto its holders where a row is dear (CPU profile, hot trace: -7% throughput, 6x ITL);
+    # 1 is its whole decode, which pushes hot prefixes off their holders where rows are cheap (H100
+    # profile: +57% p90 TTFT). 0.1 won on p90 TTFT on every cluster trace of the sweep (BENCHMARKS.md).
+    decode_weight: float = 0.1
     tie_epsilon: float = 0.02  # scores within this relative distance of the best are ties
     waiting_weight: float = 4.0  # least-load: waiting requests count this many running ones
     max_sessions: int = 100_000  # session -> last replica, least recently used dropped first
@@ -73,8 +80,8 @@ class RouterConfig:
                self.typical_decode_steps) < 1:
             raise InvalidRequestError("block_size, max_num_batched_tokens, max_num_seqs, max_sessions and "
                                       "typical_decode_steps must be >= 1")
-        if not 0 <= self.tie_epsilon < 1 or self.waiting_weight < 0:
-            raise InvalidRequestError("tie_epsilon must be in [0, 1) and waiting_weight >= 0")
+        if not 0 <= self.tie_epsilon < 1 or self.waiting_weight < 0 or self.decode_weight < 0:
+            raise InvalidRequestError("tie_epsilon must be in [0, 1), waiting_weight and decode_weight >= 0")
 
 
 class Router(Protocol):
@@ -196,7 +203,16 @@ def admission_wait_s(load: ReplicaLoad, blocks_needed: int, config: RouterConfig
         step = load.costs.step_s + load.num_running * load.costs.decode_row_s
         rate = max(1, load.num_running) / (config.typical_decode_steps * step)
     freed = load.blocks_per_finish or config.typical_decode_steps / config.block_size
-    return max(block_deficit / (rate * freed), seq_deficit / rate)
+    # Whole finishes: the first one is 1/rate away however many blocks it frees.
+    return max(math.ceil(block_deficit / max(freed, 1.0)), seq_deficit) / rate
+
+
+def decode_rows_s(load: ReplicaLoad, config: RouterConfig) -> float:
+    """Seconds the rows decoding beside this request add to its own decode: its expected output length
+    (the replica's measured mean) times the decode rows of each step (the running, those admitted ahead
+    of it, and its own), each at the replica's measured cost per row."""
+    tokens = load.mean_output_tokens or config.typical_decode_steps
+    return tokens * (load.num_running + load.unadmitted + 1) * load.costs.decode_row_s
 
 
 def predicted_ttft_s(load: ReplicaLoad, num_prompt_tokens: int, cached_tokens: int,
@@ -230,13 +246,21 @@ class CostRouter:
         # The engine computes at least the last prompt token: a hit never covers the whole prompt.
         max_blocks = max(0, (num_tokens - 1) // self.config.block_size)
         usable = hashes[:max_blocks]
-        scores: dict[int, float] = {}
+        ttfts: dict[int, float] = {}
+        decodes: dict[int, float] = {}
         cached: dict[int, int] = {}
         for load in _candidates(replicas):
             cached[load.index] = load.cached_blocks(usable) * self.config.block_size
-            scores[load.index] = predicted_ttft_s(load, num_tokens, cached[load.index], self.config)
+            ttfts[load.index] = predicted_ttft_s(load, num_tokens, cached[load.index], self.config)
+            decodes[load.index] = decode_rows_s(load, self.config)
+        # Its decode beside the others' is part of the request's own latency (and, where a row is dear,
+        # of everyone's ITL): counted from the lightest candidate's, so the scores stay on the scale of a
+        # TTFT and the tie margin with them, and weighed by `decode_weight`.
+        lightest = min(decodes.values())
+        weight = self.config.decode_weight
+        scores = {index: ttfts[index] + weight * (decodes[index] - lightest) for index in ttfts}
         replica = self._affinity.choose(request, scores)
-        return RouteDecision(replica, self.name, scores[replica], cached[replica], scores)
+        return RouteDecision(replica, self.name, ttfts[replica], cached[replica], scores)
 
 
 ROUTERS: dict[str, Callable[[RouterConfig], Router]] = {
