@@ -295,3 +295,34 @@ def test_a_migrated_seeded_request_draws_the_same_tokens(tiny: Checkpoint) -> No
         _assert_no_block_referenced(engine)
     finally:
         engine.close()
+
+
+def test_the_trace_shows_the_route_and_the_handoff(tiny: Checkpoint) -> None:
+    from tokenloop.observe.tracer import Tracer
+
+    tracer = Tracer(sample_rate=1.0)
+    config = build_engine_config(str(tiny.path), **OPTIONS)
+    engine = AsyncEngine.with_replicas(config, ClusterOptions(replicas=2, cluster="inprocess", router="cost"),
+                                       checkpoint=tiny, tracer=tracer)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, output_kind="delta")
+    try:
+        async def main() -> list[int]:
+            task = asyncio.create_task(_collect(engine, "traced", SHARED + TINY_PROMPTS[0], params))
+            while await engine.utility("num_steps") < 6:
+                await asyncio.sleep(0.005)
+            await engine.utility("cluster_migrate", "traced")
+            return await task
+
+        assert len(asyncio.run(main())) == 30
+        trace = tracer.get("traced")
+        assert trace is not None
+        names = [e.name for e in trace.sorted_events()]
+        assert "routed" in names and "handoff_imported" in names and "handoff_completed" in names, names
+        assert names.index("handoff_released") < names.index("finished"), names
+        routed = next(e for e in trace.events if e.name == "routed")
+        assert routed.args["policy"] == "cost"
+        state = tracer.dashboard_state()
+        assert [r["index"] for r in state["replicas"]] == [0, 1]
+        assert state["counters"]["finished"] == 1  # a handoff is not an end
+    finally:
+        engine.close()
