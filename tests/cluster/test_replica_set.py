@@ -326,3 +326,37 @@ def test_the_trace_shows_the_route_and_the_handoff(tiny: Checkpoint) -> None:
         assert state["counters"]["finished"] == 1  # a handoff is not an end
     finally:
         engine.close()
+
+
+def test_a_dead_replica_is_started_again_and_takes_work(tiny: Checkpoint) -> None:
+    from tokenloop.cluster.launch import replica_config
+    from tokenloop.cluster.load import LoadTracker
+    from tokenloop.cluster.router import RouterConfig, make_router
+    from tokenloop.core.engine_core import EngineCore
+    from tokenloop.serving.core_client import InProcessCoreClient
+
+    config = replica_config(build_engine_config(str(tiny.path), **OPTIONS))
+
+    def start(index: int) -> _Killable:
+        return _Killable(InProcessCoreClient(EngineCore(config, tiny), records_in_frames=True))
+
+    clients = [start(0), start(1)]
+    replica_set = ReplicaSet(clients, make_router("round-robin", RouterConfig(block_size=4)),
+                             LoadTracker(2, config.cache.block_size), restart=start)
+    engine = AsyncEngine(None, client=replica_set, config=config, tokenizer=tiny.tokenizer)
+    try:
+        clients[0].dead = True
+        deadline = time.monotonic() + 30
+        while True:
+            status = engine.utility_blocking("cluster_status")["replicas"]
+            if status[0]["alive"] and status[0]["restarts"] == 1:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert replica_set.replicas[0].client is not clients[0]
+        expected = _reference(tiny, TINY_PROMPTS[:4], 6)
+        assert _run_all(engine, TINY_PROMPTS[:4], max_tokens=6) == expected
+        facts = engine.utility_blocking("kv_facts")["replicas"]
+        assert all(f["steps"] > 0 for f in facts)  # the restarted replica took its share
+    finally:
+        engine.close()

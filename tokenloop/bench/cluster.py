@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import statistics
 import tempfile
 from collections.abc import Sequence
@@ -116,6 +117,7 @@ def run_router(trace: Sequence[TraceRequest], router: str, config: ClusterBenchC
 
 def run_cluster_bench(trace: Sequence[TraceRequest], config: ClusterBenchConfig) -> dict[str, list[RouterRun]]:
     """Every router, `config.runs` times each, interleaved (router A, B, C, A, B, C: drift hits all alike)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the table
     results: dict[str, list[RouterRun]] = {r: [] for r in config.routers}
     with tempfile.TemporaryDirectory(prefix="tokenloop-bench-cluster-") as tmp:
         for _ in range(config.runs):
