@@ -106,7 +106,8 @@ def run_kind(args: argparse.Namespace, kind: str, precopy: bool) -> list[dict[st
                     "median_itl_ms": 1000 * statistics.median(gaps) if gaps else None,
                     "kv_bytes_moved": moved, "outcome": "completed" if "completed" in events else str(events),
                     "same_tokens": tokens == reference,
-                    "blocks_precopied": events["precopied"].blocks_copied if "precopied" in events else 0,
+                    "blocks_precopied": sum(r.blocks_copied for r in log.records
+                                            if r.request_id == rid and r.event == "precopied"),
                     "blocks_in_pause": imported.blocks_copied if imported else None,
                 }
 
@@ -125,7 +126,7 @@ def main() -> int:
     parser.add_argument("--contexts", type=lambda t: [int(x) for x in t.split(",")], default=[256, 1024, 2048])
     parser.add_argument("--kinds", default="inprocess,local,ray")
     parser.add_argument("--no-precopy", action="store_true", help="also measure migrations without pre-copy")
-    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--decode-tokens", type=int, default=96)
     parser.add_argument("--migrate-after", type=int, default=8, help="tokens decoded before the migration")
     parser.add_argument("--repeats", type=int, default=2, help="recompute measurements per context")
     parser.add_argument("--out", help="write the rows as JSON")

@@ -388,7 +388,12 @@ def test_precopy_then_final_export_copies_only_the_tail(tiny: Checkpoint) -> Non
     a, tokens = _run_on_a(tiny, prompt, True, 2, max_tokens=16)
     b = _core(tiny)
     computed = a._requests[RID].num_computed_tokens
-    pre = a.precopy_blocks(RID)
+    first = a.precopy_blocks(RID, max_blocks=1)  # in stages: each stage reads at most max_blocks
+    rest = a.precopy_blocks(RID, [first[0].block_hash])
+    pre = first + rest
+    assert len(first) == 1 and rest[0].parent_hash == first[0].block_hash
+    with pytest.raises(InvalidRequestError, match="max_blocks"):
+        a.precopy_blocks(RID, max_blocks=0)
     assert len(pre) == computed // BLOCK and all(blk.block_hash is not None for blk in pre)
     assert a._requests[RID].status is RequestStatus.RUNNING, "pre-copy does not pause"
     assert b.import_blocks(pre) == len(pre)

@@ -59,7 +59,8 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "import_request": lambda core, snapshot: core.import_request(snapshot),
     "complete_export": lambda core, lease_id: core.complete_export(lease_id),
     "resume_export": lambda core, lease_id: core.resume_export(lease_id),
-    "precopy_blocks": lambda core, request_id, skip_hashes=(): core.precopy_blocks(request_id, skip_hashes),
+    "precopy_blocks": lambda core, request_id, skip_hashes=(), max_blocks=None: core.precopy_blocks(
+        request_id, skip_hashes, max_blocks),
     "import_blocks": lambda core, blocks: core.import_blocks(blocks),
     "kv_snapshot": lambda core: core.kv_snapshot(),  # a router's mirror resyncs after a gap
     "kv_events_since": lambda core, seq: core.kv_events_since(seq),

@@ -273,9 +273,11 @@ class EngineCore:
         """The destination refused it: it runs here again. False for an unknown (answered, expired) lease."""
         return self.handoffs.resume(lease_id)
 
-    def precopy_blocks(self, request_id: str, skip_hashes: Sequence[int] = ()) -> list[KVBlockData]:
-        """The request's computed full blocks not in skip_hashes, without pausing it (live migration)."""
-        return self.handoffs.precopy(self._unfinished(request_id), list(skip_hashes))
+    def precopy_blocks(self, request_id: str, skip_hashes: Sequence[int] = (),
+                       max_blocks: int | None = None) -> list[KVBlockData]:
+        """The request's computed full blocks not in skip_hashes (the first `max_blocks` of them), without
+        pausing it (live migration copies in stages, so no one stage stalls this loop for long)."""
+        return self.handoffs.precopy(self._unfinished(request_id), list(skip_hashes), max_blocks)
 
     def import_blocks(self, blocks: Sequence[KVBlockData]) -> int:
         """Store full blocks in the prefix cache, unreferenced and reusable; how many were new here."""

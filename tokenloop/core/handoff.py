@@ -171,12 +171,16 @@ class HandoffStage:
         for lease_id in [k for k, lease in self._leases.items() if lease.request_id == request_id]:
             del self._leases[lease_id]
 
-    def precopy(self, request: Request, skip_hashes: list[int]) -> list[KVBlockData]:
-        """The request's computed full blocks not in skip_hashes, read without pausing it."""
-        return self._block_data(request, request.num_computed_tokens, set(skip_hashes), with_tail=False)
+    def precopy(self, request: Request, skip_hashes: list[int], max_blocks: int | None = None) -> list[KVBlockData]:
+        """The request's computed full blocks not in skip_hashes (at most `max_blocks`), read without pausing
+        it."""
+        if max_blocks is not None and max_blocks < 1:
+            raise InvalidRequestError(f"max_blocks must be >= 1, got {max_blocks}", param="max_blocks")
+        return self._block_data(request, request.num_computed_tokens, set(skip_hashes), with_tail=False,
+                                max_blocks=max_blocks)
 
     def _block_data(self, request: Request, num_tokens: int, skip: set[int],
-                    with_tail: bool) -> list[KVBlockData]:
+                    with_tail: bool, max_blocks: int | None = None) -> list[KVBlockData]:
         size = self.kv.block_size
         table = self.kv.get_blocks(request.request_id)
         hashes = self.kv.block_hashes(request)
@@ -185,9 +189,10 @@ class HandoffStage:
         if len(table) < self.kv.num_blocks_for(num_tokens):
             raise RuntimeError(f"{request.request_id}: {len(table)} blocks cannot hold {num_tokens} tokens")
         read = self.runner.read_block
+        wanted = [i for i in range(num_full) if hashes[i] not in skip][:max_blocks]
         blocks = [KVBlockData(hashes[i], size, read(table[i].block_id, size), hashes[i - 1] if i else None,
                               tokens[i * size:(i + 1) * size])
-                  for i in range(num_full) if hashes[i] not in skip]
+                  for i in wanted]
         tail = num_tokens - num_full * size
         if with_tail and tail:
             blocks.append(KVBlockData(None, tail, read(table[num_full].block_id, tail),
