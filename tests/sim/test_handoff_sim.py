@@ -7,21 +7,14 @@ from tokenloop.core.messages import CoreRequest
 from tokenloop.llm import build_engine_config
 from tokenloop.request import SamplingParams
 from tokenloop.sim.cost import StepCostModel
+from tokenloop.sim.cluster import ReplicaClock
 from tokenloop.sim.runner import sim_core
 
 COST = StepCostModel(step=0.010, tokens=0.0002)
 VOCAB = 64
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0
-
-    def __call__(self) -> int:
-        return self.now
-
-    def advance_by(self, ns: int) -> None:
-        self.now += ns
+Clock = ReplicaClock  # a virtual clock the simulated runner moves on
 
 
 def _core(clock: Clock) -> EngineCore:
