@@ -21,7 +21,10 @@ from tokenloop.model.loader import Checkpoint
 from tokenloop.request import SamplingParams
 from tokenloop.serving.async_engine import AsyncEngine, RequestSpec
 
-OPTIONS: dict[str, Any] = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 256}
+# fp32: greedy tokens are exact whatever the batch (dtype auto may pick bf16 on this CPU, where the tiny
+# random model has exact logit ties that batch composition breaks one way or the other).
+OPTIONS: dict[str, Any] = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 256,
+                           "dtype": "float32"}
 SHARED = "the system prompt every user of this tiny service shares before their own words: "
 PROMPTS = [SHARED + p for p in TINY_PROMPTS] + TINY_PROMPTS
 
@@ -358,5 +361,45 @@ def test_a_dead_replica_is_started_again_and_takes_work(tiny: Checkpoint) -> Non
         assert _run_all(engine, TINY_PROMPTS[:4], max_tokens=6) == expected
         facts = engine.utility_blocking("kv_facts")["replicas"]
         assert all(f["steps"] > 0 for f in facts)  # the restarted replica took its share
+    finally:
+        engine.close()
+
+
+def test_rebalance_moves_queued_requests_to_a_replica_with_room(tiny: Checkpoint) -> None:
+    from tokenloop.observe.records import HandoffRecord
+
+    class Handoffs:
+        def __init__(self) -> None:
+            self.records: list[HandoffRecord] = []
+
+        def on_handoff(self, record: HandoffRecord) -> None:
+            self.records.append(record)
+
+    options = {**OPTIONS, "max_num_seqs": 2}
+    prompts = [p + " again" * i for i, p in enumerate(TINY_PROMPTS)] + [TINY_PROMPTS[0]]
+    max_tokens = 24
+    engine_config = build_engine_config(str(tiny.path), **options)
+    seen = Handoffs()
+    engine = AsyncEngine.with_replicas(engine_config, ClusterOptions(replicas=2, cluster="inprocess",
+                                                                     router="round-robin", rebalance=True),
+                                       checkpoint=tiny, observers=[seen])
+    try:
+        expected = _reference(tiny, prompts, max_tokens)
+        assert isinstance(engine.client, ReplicaSet)
+        engine.client.handoffs.rebalance_interval_ns = 0  # look at every turn: the tiny model is quick
+        engine.utility_blocking("cluster_drain", 1)  # everything queues on replica 0 ...
+
+        async def main() -> list[list[int]]:
+            tasks = [asyncio.create_task(_collect(engine, f"r{i}", p, _greedy(max_tokens)))
+                     for i, p in enumerate(prompts)]
+            while await engine.utility("num_unfinished_requests") < len(prompts):
+                await asyncio.sleep(0.005)
+            await engine.utility("cluster_undrain", 1)  # ... until replica 1 has room: rebalance moves them
+            return list(await asyncio.gather(*tasks))
+
+        assert asyncio.run(main()) == expected
+        moved = [r for r in seen.records if r.event == "completed"]
+        assert moved and all(r.reason == "rebalance" and (r.source, r.destination) == (0, 1) for r in moved)
+        _assert_no_block_referenced(engine)
     finally:
         engine.close()

@@ -58,6 +58,9 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                        help="when a replica dies, fail its requests with a clear reason (default) or resume "
                             "them on another replica by recomputing from their token ids")
     group.add_argument("--no-restart", action="store_true", help="do not start a dead replica again")
+    group.add_argument("--rebalance", action="store_true",
+                       help="move requests queued behind a full replica to one with a free sequence slot "
+                            "(a handoff: tokens unchanged)")
     group.add_argument("--prefill-replicas", type=int, default=0,
                        help="K > 0: the first K replicas prefill and hand each request off to the others, "
                             "which decode (prefill/decode disaggregation)")
@@ -70,7 +73,7 @@ def _cluster_options(args: argparse.Namespace):  # noqa: ANN202 - ClusterOptions
     from tokenloop.cluster.launch import ClusterOptions
 
     return ClusterOptions(replicas=args.replicas, cluster=args.cluster, router=args.router,
-                          failover=args.failover, restart=not args.no_restart,
+                          failover=args.failover, restart=not args.no_restart, rebalance=args.rebalance,
                           prefill_replicas=args.prefill_replicas, ray_address=args.ray_address)
 
 

@@ -38,7 +38,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-HANDOFF_REASONS = ("drain", "migrate", "disaggregation")
+HANDOFF_REASONS = ("drain", "migrate", "disaggregation", "rebalance")
+# Rebalance: a replica with at least this many requests waiting for a slot gives its newest one to a
+# replica that has a free slot and nobody waiting (a waiting request moves almost no KV).
+REBALANCE_MIN_WAITING = 2
+REBALANCE_INTERVAL_NS = 250_000_000
 # Pre-copy moves a request's blocks in stages of at most this many: reading and packing a stage stalls the
 # source's loop (its other requests too), so a stage stays short however long the context (SmolLM2's fp32
 # KV is ~0.74 MB a block of 16 tokens: a stage of 8 is ~6 MB). The tail moves in the pause.
@@ -95,6 +99,8 @@ class HandoffFlow:
         self.in_flight: dict[str, Handoff] = {}
         self.stats = HandoffStats()
         self._handed_off: set[str] = set()  # disaggregation moves a request once
+        self._last_rebalance_ns = 0
+        self.rebalance_interval_ns = REBALANCE_INTERVAL_NS  # between two looks at the queues
 
     # ---- asked by the replica set --------------------------------------------------------------------
 
@@ -130,6 +136,28 @@ class HandoffFlow:
         if destination is not None:
             self._handed_off.add(request_id)
             self.start(request_id, destination, "disaggregation")
+
+    def rebalance(self, max_num_seqs: int) -> Handoff | None:
+        """One step of load balancing (Llumnix-style, on queues): move the newest request of the most
+        backed-up replica to one with room, one handoff at a time. Returns the handoff it started."""
+        now = self.set.clock()
+        if now - self._last_rebalance_ns < self.rebalance_interval_ns:
+            return None
+        self._last_rebalance_ns = now
+        if any(h.reason == "rebalance" for h in self.in_flight.values()):
+            return None
+        views = [v for v in self.set.tracker.views() if v.alive and v.admitting]
+        if len(views) < 2:
+            return None
+        busiest = max(views, key=lambda v: (v.num_waiting, v.num_running, -v.index))
+        roomiest = min(views, key=lambda v: (v.num_waiting, v.num_running, v.index))
+        if (busiest.num_waiting < REBALANCE_MIN_WAITING or roomiest.num_waiting > 0
+                or roomiest.num_running >= max_num_seqs or busiest.index == roomiest.index):
+            return None
+        candidates = [rid for rid in self.set.requests_on(busiest.index) if rid not in self.in_flight]
+        if not candidates:
+            return None
+        return self.start(candidates[-1], roomiest.index, "rebalance")
 
     def on_death(self, index: int) -> None:
         """A replica died: handoffs from it are over (failover has its requests); handoffs to it resume

@@ -38,6 +38,7 @@ class ClusterOptions:
     ray_address: str | None = None
     lease_s: float = 30.0
     precopy: bool = True  # live migration copies full blocks while the request decodes, then the tail
+    rebalance: bool = False  # move requests queued behind a full replica to one with a free slot
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -86,7 +87,8 @@ def start_replica_set(config: EngineConfig, options: ClusterOptions, *,
         replica_set = ReplicaSet(clients, router, tracker, failover=options.failover,
                                  restart=make if options.restart else None,
                                  prefill_replicas=options.prefill_replicas, lease_s=options.lease_s,
-                                 precopy=options.precopy)
+                                 precopy=options.precopy,
+                                 rebalance_max_num_seqs=scheduler.max_num_seqs if options.rebalance else None)
     except BaseException:
         for client in clients:
             client.close(1.0)

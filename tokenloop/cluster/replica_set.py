@@ -126,7 +126,8 @@ class ReplicaSet:
 
     def __init__(self, clients: Sequence[Any], router: Router, tracker: LoadTracker, *,
                  failover: str = "fail", restart: Callable[[int], Any] | None = None,
-                 prefill_replicas: int = 0, lease_s: float = 30.0, precopy: bool = True) -> None:
+                 prefill_replicas: int = 0, lease_s: float = 30.0, precopy: bool = True,
+                 rebalance_max_num_seqs: int | None = None) -> None:
         if not clients:
             raise ValueError("a replica set needs at least one core client")
         if failover not in FAILOVER_MODES:
@@ -163,6 +164,8 @@ class ReplicaSet:
         self._wake_read, self._wake_write = os.pipe()  # a restart thread wakes the front end's poller
         os.set_blocking(self._wake_read, False)
         self.handoffs = HandoffFlow(self, lease_s=lease_s, precopy=precopy)
+        # Set: requests queued behind a full replica move to one with a free slot (of this many).
+        self.rebalance_max_num_seqs = rebalance_max_num_seqs
         self._closed = False
         self.on_close: list[Callable[[], None]] = []  # run after every replica closed (stop Ray we started)
         for replica in self.replicas:
@@ -208,6 +211,11 @@ class ReplicaSet:
             why = replica.client.death()
             if why is not None:
                 self._on_death(replica, why)
+        if self.rebalance_max_num_seqs is not None and self._owned:
+            try:
+                self.handoffs.rebalance(self.rebalance_max_num_seqs)
+            except TokenloopError as exc:  # a request that just finished: try again next time
+                logger.debug("rebalance skipped: %s", exc)
         frames.extend(self._frames)
         self._frames = []
         if self._handoff_records:
