@@ -327,6 +327,7 @@ def test_the_trace_shows_the_route_and_the_handoff(tiny: Checkpoint) -> None:
         state = tracer.dashboard_state()
         assert [r["index"] for r in state["replicas"]] == [0, 1]
         assert state["counters"]["finished"] == 1  # a handoff is not an end
+        assert state["counters"]["handoffs"] == 1
     finally:
         engine.close()
 

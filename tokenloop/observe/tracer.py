@@ -93,7 +93,7 @@ class Tracer:
         self._live: dict[str, RequestTrace] = {}
         self._done: OrderedDict[str, RequestTrace] = OrderedDict()
         self.totals = {"arrived": 0, "finished": 0, "aborted": 0, "errored": 0, "preemptions": 0,
-                       "output_tokens": 0, "batched_tokens": 0}
+                       "output_tokens": 0, "batched_tokens": 0, "handoffs": 0}
 
     def bind(self, tokenizer: Decodes | None, block_size: int | None, clock: Clock) -> None:
         """Take the engine's tokenizer, block size and clock (the origin of exports restarts at its now)."""
@@ -197,6 +197,8 @@ class Tracer:
         if not self._enabled:
             return
         with self._lock:
+            if record.event == "completed":
+                self.totals["handoffs"] += 1
             if record.event == "imported":
                 row = self._state(record.source).rows.pop(record.request_id, None)
                 if row is not None:

@@ -287,6 +287,7 @@
     renderCounters(state);
     renderKV(state.kv);
     renderReplicas(state.replicas);
+    $("replicas-handoffs").textContent = fmt(state.counters.handoffs || 0);
     renderStageBars(state.iterations);
     renderThroughput(state);
     renderTTFT(state);
