@@ -78,3 +78,16 @@ def test_admin_routes_need_the_key_and_name_their_errors(cluster_url: str) -> No
     last = _admin(cluster_url, "POST", "/admin/replicas/1/drain")
     assert last.status_code == 409 and "last replica" in last.json()["error"]["message"]
     assert _admin(cluster_url, "POST", "/admin/replicas/0/undrain").json()["admitting"] is True
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--router", "bogus"], "unknown router 'bogus' (valid: round-robin, least-load, cost)"),
+    (["--ray-address", "127.0.0.1:1"], "--ray-address needs --cluster ray"),
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--replicas", "2", "--prefill-replicas", "2"], "leaves no decode replica"),
+])
+def test_bad_cluster_flags_fail_the_start_with_a_reason(tiny_model_dir: Path, flags: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "tokenloop", "serve", "--model", str(tiny_model_dir),
+                           "--port", str(free_port()), *flags], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]

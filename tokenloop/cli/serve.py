@@ -67,7 +67,14 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cluster_options(args: argparse.Namespace):  # noqa: ANN202 - ClusterOptions, imported lazily
-    """The replica set to start, or None for one engine core."""
+    """The replica set to start, or None for one engine core (a bad cluster flag is an error either way)."""
+    from tokenloop.cluster.router import ROUTERS
+    from tokenloop.errors import ConfigError
+
+    if args.router not in ROUTERS:
+        raise ConfigError(f"unknown router {args.router!r} (valid: {', '.join(ROUTERS)})")
+    if args.ray_address and args.cluster != "ray":
+        raise ConfigError("--ray-address needs --cluster ray")
     if args.replicas == 1 and args.cluster == "local" and not args.prefill_replicas:
         return None
     from tokenloop.cluster.launch import ClusterOptions
