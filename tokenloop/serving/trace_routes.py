@@ -39,6 +39,16 @@ def _error(status: int, message: str, code: str, param: str | None = None) -> JS
     return JSONResponse(body, status_code=status)
 
 
+def _encode_yielding(value: object) -> bytes:
+    """JSON of a large export, in pieces: `json.dumps` encodes in one C call that holds the GIL throughout
+    (a multi-megabyte trace stalled the engine thread for most of a second); the chunked encoder lets the
+    interpreter switch threads between pieces, so the engine keeps stepping while an export is written."""
+    return "".join(_CHUNKED_ENCODER.iterencode(value)).encode()
+
+
+_CHUNKED_ENCODER = json.JSONEncoder()
+
+
 def _static(name: str) -> str:
     return resources.files("tokenloop.serving").joinpath("static", name).read_text(encoding="utf-8")
 
@@ -83,7 +93,7 @@ def make_trace_router(get_tracer: Callable[[], Tracer | None]) -> APIRouter:
         with export_lock:  # one build at a time; the others wait for it and share it
             built = cached.get(format)
             if built is None or time.monotonic() - built[0] > _EXPORT_TTL_S:
-                built = cached[format] = (time.monotonic(), json.dumps(tracer.chrome_trace()).encode())
+                built = cached[format] = (time.monotonic(), _encode_yielding(tracer.chrome_trace()))
         return Response(built[1], media_type="application/json")
 
     @router.get("/v1/dashboard/state")
