@@ -29,6 +29,7 @@ from tokenloop.observe.tracer import Tracer
 TraceFormat = Literal["chrome", "mechanism"]
 
 _EXPORT_TTL_S = 1.0
+_EXPORT_DUTY = 4.0
 _STATIC = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
 
 
@@ -80,9 +81,10 @@ def make_trace_router(get_tracer: Callable[[], Tracer | None]) -> APIRouter:
             return _error(404, f"no trace for request {request_id!r}", "trace_not_found", "request_id")
         return JSONResponse(body)
 
-    # The export of everything recent costs ~0.2 s of Python (GIL time the engine thread then waits for):
-    # clients polling it share one build per `_EXPORT_TTL_S`.
-    cached: dict[str, tuple[float, bytes]] = {}
+    # The export of everything recent costs ~0.2-1 s of Python (GIL time the engine thread then waits for):
+    # clients polling it share one build, reused for `_EXPORT_TTL_S` or _EXPORT_DUTY x its build time,
+    # whichever is longer, so exports never take more than ~1/_EXPORT_DUTY of the interpreter.
+    cached: dict[str, tuple[float, bytes]] = {}  # format -> (reusable until, body)
     export_lock = threading.Lock()
 
     @router.get("/v1/trace")
@@ -92,8 +94,11 @@ def make_trace_router(get_tracer: Callable[[], Tracer | None]) -> APIRouter:
             return tracer
         with export_lock:  # one build at a time; the others wait for it and share it
             built = cached.get(format)
-            if built is None or time.monotonic() - built[0] > _EXPORT_TTL_S:
-                built = cached[format] = (time.monotonic(), _encode_yielding(tracer.chrome_trace()))
+            now = time.monotonic()
+            if built is None or now > built[0]:
+                body = _encode_yielding(tracer.chrome_trace())
+                done = time.monotonic()
+                built = cached[format] = (done + max(_EXPORT_TTL_S, _EXPORT_DUTY * (done - now)), body)
         return Response(built[1], media_type="application/json")
 
     @router.get("/v1/dashboard/state")
