@@ -326,11 +326,22 @@ def add_result_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--disable-tqdm", action="store_true")
 
 
+def write_result_outputs(result: Any, config: Any, args: argparse.Namespace) -> None:
+    """The report and JSON of `add_result_args`, where asked, and say where they went."""
+    from tokenloop.bench.policies import save_outputs
+
+    save_outputs(result, config, trace_path=args.trace, report_path=args.report, result_path=args.save_result)
+    if args.report:
+        print(f"wrote the report to {args.report}")
+    if args.save_result:
+        print(f"saved the results to {args.save_result}")
+
+
 def run_policies_command(args: argparse.Namespace) -> int:
     """`bench policies`: the comparison table, and the report and JSON where asked."""
     from tokenloop.bench.metrics import parse_goodput
     from tokenloop.bench.policies import (PolicyBenchConfig, parse_base_urls, parse_policies, parse_step_cost,
-                                          run_policy_benchmark, save_outputs)
+                                          run_policy_benchmark)
     from tokenloop.bench.trace import load_trace
 
     try:
@@ -351,11 +362,7 @@ def run_policies_command(args: argparse.Namespace) -> int:
         trace = trace[:args.max_requests]
     result = run_policy_benchmark(trace, config)
     print(result.table(with_goodput=bool(config.slos_ms)))
-    save_outputs(result, config, trace_path=args.trace, report_path=args.report, result_path=args.save_result)
-    if args.report:
-        print(f"wrote the report to {args.report}")
-    if args.save_result:
-        print(f"saved the results to {args.save_result}")
+    write_result_outputs(result, config, args)
     return 0
 
 

@@ -84,7 +84,8 @@ def _cluster_options(args: argparse.Namespace):  # noqa: ANN202 - ClusterOptions
                           prefill_replicas=args.prefill_replicas, ray_address=args.ray_address)
 
 
-def _start_core_process(args: argparse.Namespace, name: str, limits: Any):  # noqa: ANN202 - AsyncEngine
+def _start_core_process(args: argparse.Namespace, name: str, limits: Any,  # noqa: ANN202 - AsyncEngine
+                        cluster: Any = None):
     """The engine core in its own process (or N of them behind a router); this one keeps only the
     tokenizer (and the records' observers)."""
     from tokenloop.llm import build_engine_config
@@ -95,7 +96,6 @@ def _start_core_process(args: argparse.Namespace, name: str, limits: Any):  # no
     config = build_engine_config(args.model, **_engine_options(args))
     tracer = None if args.no_trace else Tracer(sample_rate=args.trace_sample_rate)
     begin = time.perf_counter()
-    cluster = _cluster_options(args)
     if cluster is not None:
         async_engine = AsyncEngine.with_replicas(config, cluster, EngineMetrics(name), tracer=tracer,
                                                  max_stream_backlog=limits.max_stream_backlog)
@@ -121,11 +121,12 @@ def _serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
     name = args.served_model_name or args.model
-    if args.engine_core == "thread" and _cluster_options(args) is not None:
+    cluster = _cluster_options(args)  # validated here, before anything starts
+    if args.engine_core == "thread" and cluster is not None:
         logger.error("--replicas, --cluster and --prefill-replicas need --engine-core process")
         return 2
     if args.engine_core == "process":
-        engine, async_engine = None, _start_core_process(args, name, limits)
+        engine, async_engine = None, _start_core_process(args, name, limits, cluster)
     else:
         engine, async_engine = load_engine(args), None
     app = create_app(engine, served_model_name=name, api_key=api_key, shutdown_timeout_s=args.shutdown_timeout,

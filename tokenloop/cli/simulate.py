@@ -22,7 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenloop.bench.cli import add_replay_engine_args, add_result_args, replay_engine_options
+from tokenloop.bench.cli import (
+    add_replay_engine_args,
+    add_result_args,
+    replay_engine_options,
+    write_result_outputs,
+)
 from tokenloop.cli.options import positive_int
 from tokenloop.config import SCHEDULING_POLICIES
 from tokenloop.model.loader import DEFAULT_MODEL
@@ -164,7 +169,7 @@ def _tokenized(trace: list[Any], model: str) -> list[Any]:
 
 def _simulate(args: argparse.Namespace) -> int:
     from tokenloop.bench.metrics import parse_goodput
-    from tokenloop.bench.policies import parse_policies, save_outputs
+    from tokenloop.bench.policies import parse_policies
     from tokenloop.bench.report import format_table
     from tokenloop.bench.trace import load_trace
     from tokenloop.sim.profiles import load_profile
@@ -203,11 +208,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"simulated {len(trace)} requests x {len(policies)} policies on profile {profile.name} "
               f"({profile.hardware}) in {time.perf_counter() - began:.1f} s")
         print(result.table(with_goodput=bool(slos)))
-    save_outputs(result, config, trace_path=args.trace, report_path=args.report, result_path=args.save_result)
-    if args.report:
-        print(f"wrote the report to {args.report}")
-    if args.save_result:
-        print(f"saved the results to {args.save_result}")
+    write_result_outputs(result, config, args)
     return 0
 
 

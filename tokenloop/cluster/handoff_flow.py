@@ -25,9 +25,6 @@ from typing import TYPE_CHECKING, Any
 from tokenloop.core.kv_cache import block_hash_chain
 from tokenloop.core.messages import (
     CallResult,
-    CoreFrame,
-    CoreOutput,
-    CoreOutputs,
     FinishRequests,
 )
 from tokenloop.core.wire import error_from_wire
@@ -38,7 +35,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-HANDOFF_REASONS = ("drain", "migrate", "disaggregation", "rebalance")
 # Rebalance: a replica with at least this many requests waiting for a slot gives its newest one to a
 # replica that has a free slot and nobody waiting (a waiting request moves almost no KV).
 REBALANCE_MIN_WAITING = 2
@@ -301,11 +297,7 @@ class HandoffFlow:
         s = self.set
         s.send_to(handoff.source, [FinishRequests([handoff.request_id], "abort")])
         s.send_to(handoff.destination, [FinishRequests([handoff.request_id], "abort")])
-        owned = s._owned.pop(handoff.request_id, None)
-        if owned is not None:
-            s.tracker.on_finished(owned.replica, handoff.request_id)
-            s._frames.append(CoreFrame(CoreOutputs([CoreOutput(handoff.request_id, [], finish_reason="error",
-                                                               error=why)], s.clock(), 0)))
+        s.fail(handoff.request_id, why)
         self._record(handoff, "failed", why)
 
     def _resume(self, handoff: Handoff, reason: str | None) -> None:

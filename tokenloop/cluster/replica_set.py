@@ -25,10 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloop.cluster.handoff_flow import HandoffFlow, HandoffStats
 from tokenloop.cluster.load import LoadTracker
 from tokenloop.cluster.router import Dispatcher, Router, RouteRequest
-
-from tokenloop.cluster.handoff_flow import HandoffFlow, HandoffStats
 from tokenloop.core.messages import (
     AddRequests,
     CallResult,
@@ -273,6 +272,16 @@ class ReplicaSet:
     def owned(self, request_id: str) -> OwnedRequest | None:
         return self._owned.get(request_id)
 
+    def fail(self, request_id: str, why: str) -> None:
+        """End a request the set can no longer run: it leaves the set, its stream gets `why` as an error
+        (in the next frame; the cores hold nothing of it, or are told to drop it by the caller)."""
+        owned = self._owned.pop(request_id, None)
+        if owned is None:
+            return
+        self.tracker.on_finished(owned.replica, request_id)
+        self._frames.append(CoreFrame(CoreOutputs([CoreOutput(request_id, [], finish_reason="error", error=why)],
+                                                  self.clock(), 0)))
+
     def request_ids(self) -> list[str]:
         return list(self._owned)
 
@@ -482,16 +491,11 @@ class ReplicaSet:
                 for request_id in request_ids:
                     self._owned.pop(request_id, None)
         self.handoffs.on_death(index)
-        finals: list[CoreOutput] = []
         for request_id in self.requests_on(index):
-            owned = self._owned.pop(request_id)
-            self.tracker.on_finished(index, request_id)
+            owned = self._owned[request_id]
             if self.failover == "recompute" and self._resume_elsewhere(owned):
                 continue
-            finals.append(CoreOutput(request_id, [], finish_reason="error",
-                                     error=f"engine replica {index} died: {why}"))
-        if finals:
-            self._frames.append(CoreFrame(CoreOutputs(finals, self.clock(), 0)))
+            self.fail(request_id, f"engine replica {index} died: {why}")
         try:
             replica.client.close(1.0)
         except Exception:  # noqa: BLE001 - it is dead already
@@ -515,6 +519,7 @@ class ReplicaSet:
                                                              request.cache_salt, request.user))
         except TokenloopError:
             return False
+        self.tracker.on_finished(owned.replica, request.request_id)
         index = decision.replica
         self._owned[request.request_id] = OwnedRequest(request, index, list(owned.output_token_ids),
                                                        route={**(owned.route or {}), "replica": index,
@@ -523,13 +528,7 @@ class ReplicaSet:
         def accepted(result: CallResult) -> None:
             if result.error is None:
                 return
-            owned_now = self._owned.pop(request.request_id, None)
-            if owned_now is not None:
-                self.tracker.on_finished(index, request.request_id)
-                self._frames.append(CoreFrame(CoreOutputs([CoreOutput(
-                    request.request_id, [], finish_reason="error",
-                    error=f"resuming on replica {index} failed: {error_from_wire(result.error)}")],
-                    self.clock(), 0)))
+            self.fail(request.request_id, f"resuming on replica {index} failed: {error_from_wire(result.error)}")
 
         self._next_internal_id -= 1
         call_id = self._next_internal_id
@@ -562,6 +561,8 @@ class ReplicaSet:
         threading.Thread(target=build, name=f"tokenloop-restart-{index}", daemon=True).start()
 
     def _take_restarts(self) -> None:
+        if not self._restarted:  # the common turn: no syscall, no lock (a restart thread appends, then wakes us)
+            return
         try:
             while os.read(self._wake_read, 4096):
                 pass
