@@ -124,9 +124,12 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_written: bool = False,
 ) -> torch.Tensor:
-    """Write K/V, then attend. query [T, H, D], key/value [T, KVH, D] -> output [T, H, D]."""
-    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    """Write K/V (unless a fused kernel already has), then attend.
+    query [T, H, D], key/value [T, KVH, D] -> output [T, H, D]."""
+    if not kv_written:
+        write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads

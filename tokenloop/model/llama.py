@@ -64,6 +64,21 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return out if bias is None else out + bias
 
 
+def project(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """x @ weight.T in the weight form's own output dtype (no widening cast): for the fused CPU path,
+    whose elementwise kernels read bf16 or fp32 alike."""
+    if isinstance(weight, PackedLinear):
+        out = weight.native(x)
+    else:
+        out = F.linear(x.to(weight.dtype), weight)
+    return out if out.is_contiguous() else out.contiguous()
+
+
+def input_dtype(weight: Weight, rows: int) -> torch.dtype:
+    """The activations' dtype `project` multiplies in for a call of `rows` rows."""
+    return weight.input_dtype_for(rows) if isinstance(weight, PackedLinear) else weight.dtype
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * x / sqrt(mean(x^2) + eps), fused into one kernel (bit-identical to the unfused form here)."""
     return F.rms_norm(x, weight.shape, weight, eps)
@@ -127,6 +142,16 @@ class LlamaModel:
         angles = torch.outer(positions, inv_freq.to(self.device))
         self.rope_cos = angles.cos().to(self.dtype)
         self.rope_sin = angles.sin().to(self.dtype)
+        # The fused elementwise kernels (csrc/fused_layer_ops.cpp) replace ~150 small ops a layer with ~10;
+        # they read fp32 or bf16 GEMM outputs, so layers with an fp16 matrix or a QKV bias keep the op path.
+        self.fused_ops = self.decode_kernel if self.decode_kernel is not None and self._fusable() else None
+
+    def _fusable(self) -> bool:
+        forms = (torch.float32, torch.bfloat16)
+        return hasattr(self.decode_kernel, "add_rms_norm") and self.config.head_dim % 2 == 0 and all(
+            layer.qkv_bias is None and all(isinstance(w, PackedLinear) or w.dtype in forms
+                                           for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+            for layer in self.layers)
 
     @classmethod
     def from_weights(
@@ -237,6 +262,8 @@ class LlamaModel:
         cfg = self.config
         num_tokens = input_ids.shape[0]
         self.last_weight_form = self.weight_form(num_tokens)
+        if self.fused_ops is not None:
+            return self._forward_fused(input_ids, positions, attn, kv_caches, logits_indices)
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
@@ -261,3 +288,42 @@ class LlamaModel:
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         return self.lm_head(rms_norm(hidden, self.final_norm, cfg.rms_norm_eps))
+
+    def _forward_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`forward` on the CPU with the fused kernels: the same layer, with each residual add folded into
+        the next RMSNorm, the norms written in the next GEMM's input dtype, and rotary + KV write in one."""
+        cfg, ops = self.config, self.fused_ops
+        assert ops is not None
+        num_tokens = input_ids.shape[0]
+        positions = positions.contiguous()
+        hidden = self.embed.index_select(0, input_ids).contiguous()  # the fp32 residual stream, updated in place
+        delta = torch.empty(0)  # the previous layer's MLP output, added inside the next norm
+        q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = torch.empty(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = torch.empty_like(k)
+        eps = cfg.rms_norm_eps
+        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+            normed = torch.empty(num_tokens, cfg.hidden_size, dtype=input_dtype(layer.qkv, num_tokens))
+            ops.add_rms_norm(hidden, delta, layer.input_norm, eps, normed)
+            ops.rope_write_kv(project(normed, layer.qkv), positions, self.rope_cos, self.rope_sin, attn.slot_mapping,
+                              key_cache, value_cache, q, k, v)
+            attended = paged_attention(q, k, v, key_cache, value_cache, attn, self.scale, kv_written=True)
+            normed = torch.empty(num_tokens, cfg.hidden_size, dtype=input_dtype(layer.gate_up, num_tokens))
+            ops.add_rms_norm(hidden, project(attended.view(num_tokens, -1), layer.o_proj), layer.post_attention_norm,
+                             eps, normed)
+            gate_up = project(normed, layer.gate_up)
+            activated = torch.empty(num_tokens, gate_up.shape[1] // 2, dtype=input_dtype(layer.down, num_tokens))
+            ops.silu_mul(gate_up, activated)
+            delta = project(activated, layer.down)
+        final = torch.empty(num_tokens, cfg.hidden_size)
+        ops.add_rms_norm(hidden, delta, self.final_norm, eps, final)
+        if logits_indices is not None:
+            final = final.index_select(0, logits_indices)
+        return self.lm_head(final)

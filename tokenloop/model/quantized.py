@@ -267,14 +267,25 @@ class PackedLinear:
             return self.form
         return "float32" if self.dense.is_mkldnn else str(self.dense.dtype).removeprefix("torch.")
 
+    def input_dtype_for(self, rows: int) -> torch.dtype:
+        """The activations' dtype the kernel for `rows` rows consumes (others are cast to it first)."""
+        if self.dense is None or rows <= self.packed_max_rows:
+            return torch.bfloat16 if isinstance(self.packed, Int4Weight) else torch.float32
+        return torch.float32 if self.dense.is_mkldnn else self.dense.dtype
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (any float dtype) -> x @ W.T in x's dtype."""
+        return self.native(x).to(x.dtype)
+
+    def native(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (any float dtype) -> x @ W.T in the kernel's own output dtype (bf16 for int4 and bf16
+        weights, fp32 for Q8_0 and fp32 weights), for consumers that read either without a cast."""
         if self.dense is None or x.shape[0] <= self.packed_max_rows:
-            return self.packed.matmul(x).to(x.dtype)
+            return self.packed.matmul(x)
         if self.dense.is_mkldnn:
             dense_x = x.float().contiguous().to_mkldnn()
-            return torch._C._nn.mkldnn_linear(dense_x, self.dense, None).to_dense().to(x.dtype)
-        return torch.nn.functional.linear(x.to(self.dense.dtype), self.dense).to(x.dtype)
+            return torch._C._nn.mkldnn_linear(dense_x, self.dense, None).to_dense()
+        return torch.nn.functional.linear(x.to(self.dense.dtype), self.dense)
 
 
 def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = PackThresholds(),

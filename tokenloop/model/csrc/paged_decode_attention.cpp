@@ -90,8 +90,18 @@ void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key
 // q8_0_matmul.cpp
 void q8_0_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                  torch::Tensor& out);
+// fused_layer_ops.cpp
+void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                  torch::Tensor& out);
+void silu_mul(const torch::Tensor& gate_up, torch::Tensor& out);
+void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                   const torch::Tensor& sin, const torch::Tensor& slots, torch::Tensor& key_cache,
+                   torch::Tensor& value_cache, torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
   m.def("q8_0_matmul", &q8_0_matmul, "x @ W.T for Q8_0 weights, float32 in and out");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta; out = RMSNorm(residual)");
+  m.def("silu_mul", &silu_mul, "out = silu(gate) * up");
+  m.def("rope_write_kv", &rope_write_kv, "rotate Q/K, store K/V at their slots");
 }

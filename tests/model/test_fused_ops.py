@@ -1,0 +1,140 @@
+"""The fused CPU layer kernels (csrc/fused_layer_ops.cpp) compute what the PyTorch ops they replace compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import write_tiny_llama
+from tokenloop.model.attention import AttentionMetadata, write_kv
+from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.llama import LlamaModel, apply_rope
+from tokenloop.model.loader import load_checkpoint
+
+kernels = paged_decode_kernels()
+pytestmark = pytest.mark.skipif(kernels is None or not hasattr(kernels, "add_rms_norm"),
+                                reason="C++ CPU kernels unavailable")
+FLOATS = [torch.float32, torch.bfloat16]
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 70), hidden=st.sampled_from([8, 64, 576]), delta_dtype=st.sampled_from(FLOATS + [None]),
+       out_dtype=st.sampled_from(FLOATS), seed=st.integers(0, 2**16))
+def test_add_rms_norm_equals_add_then_norm(rows: int, hidden: int, delta_dtype: torch.dtype | None,
+                                           out_dtype: torch.dtype, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    residual = torch.randn(rows, hidden, generator=gen) * 3
+    weight = 1 + torch.randn(hidden, generator=gen) * 0.1
+    delta = torch.randn(rows, hidden, generator=gen).to(delta_dtype) if delta_dtype else torch.empty(0)
+    expected_residual = residual + (delta.float() if delta_dtype else 0)
+    expected = F.rms_norm(expected_residual, (hidden,), weight, 1e-5)
+    out = torch.empty(rows, hidden, dtype=out_dtype)
+    kernels.add_rms_norm(residual, delta, weight, 1e-5, out)
+    torch.testing.assert_close(residual, expected_residual, rtol=1e-6, atol=1e-6)
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:  # one bf16 rounding step at most (the fp32 sums may differ in their last bit)
+        torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("in_dtype", FLOATS)
+@pytest.mark.parametrize("out_dtype", FLOATS)
+@pytest.mark.parametrize("rows", [1, 3, 200])
+def test_silu_mul_equals_silu_times_up(in_dtype: torch.dtype, out_dtype: torch.dtype, rows: int) -> None:
+    gate_up = (torch.randn(rows, 2 * 96) * 4).to(in_dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    expected = (F.silu(gate) * up).to(out_dtype)
+    out = torch.empty(rows, 96, dtype=out_dtype)
+    kernels.silu_mul(gate_up, out)
+    tolerance = 1e-5 if out_dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=1e-5)
+
+
+@pytest.mark.parametrize("qkv_dtype", FLOATS)
+def test_rope_write_kv_equals_rotate_then_write(qkv_dtype: torch.dtype) -> None:
+    tokens, heads, kv_heads, head_dim, block_size, num_blocks = 7, 9, 3, 64, 4, 6
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(qkv_dtype)
+    positions = torch.tensor([0, 5, 17, 3, 3, 99, 42])
+    angles = torch.outer(torch.arange(128, dtype=torch.float32), torch.rand(head_dim // 2, generator=gen))
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim) for _ in range(4)]
+
+    wide = qkv.float()
+    qk = apply_rope(wide[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim),
+                    cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    q_ref, k_ref = qk.split([heads, kv_heads], dim=1)
+    v_ref = wide[:, (heads + kv_heads) * head_dim:].reshape(tokens, kv_heads, head_dim)
+    write_kv(k_ref, v_ref, caches[0], caches[1], slots)
+
+    q, k, v = torch.empty(tokens, heads, head_dim), torch.empty(tokens, kv_heads, head_dim), torch.empty(
+        tokens, kv_heads, head_dim)
+    kernels.rope_write_kv(qkv, positions, cos, sin, slots, caches[2], caches[3], q, k, v)
+    for got, want in [(q, q_ref), (k, k_ref), (v, v_ref), (caches[2], caches[0]), (caches[3], caches[1])]:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_write_kv_refuses_a_slot_or_position_outside_its_table() -> None:
+    qkv = torch.randn(1, 5 * 8)
+    caches = [torch.zeros(2, 4, 1, 8) for _ in range(2)]
+    cos = sin = torch.ones(16, 4)
+    q, k, v = torch.empty(1, 3, 8), torch.empty(1, 1, 8), torch.empty(1, 1, 8)
+    with pytest.raises(RuntimeError, match="slot 8 outside the cache"):
+        kernels.rope_write_kv(qkv, torch.tensor([0]), cos, sin, torch.tensor([8]), *caches, q, k, v)
+    with pytest.raises(RuntimeError, match="position 16 outside the rope table"):
+        kernels.rope_write_kv(qkv, torch.tensor([16]), cos, sin, torch.tensor([0]), *caches, q, k, v)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    return load_checkpoint(str(write_tiny_llama(tmp_path_factory.mktemp("tiny"))))
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_fused_forward_equals_the_op_path(tiny_checkpoint, weight_dtype: torch.dtype) -> None:
+    """A mixed step (a fresh prefill, a chunk continuing a cached prefix, two decodes), then a decode step:
+    the fused forward's logits and KV cache equal the op-by-op forward's."""
+    model = LlamaModel.from_weights(tiny_checkpoint.config, tiny_checkpoint.weights, weight_dtype=weight_dtype)
+    assert model.fused_ops is not None
+    block_size, gen = 4, torch.Generator().manual_seed(0)
+    table = torch.arange(24).view(4, 6)
+    results = []
+    for fused in (True, False):
+        ops, model.fused_ops = model.fused_ops, (model.fused_ops if fused else None)
+        kv = model.allocate_kv_cache(24, block_size)
+        gen.manual_seed(0)
+        # Cache 8 tokens of sequences 1..3 first (sequence 1 will continue with a chunk, 2 and 3 decode).
+        warm_ids = torch.randint(model.config.vocab_size, (24,), generator=gen)
+        warm_pos = torch.arange(8).repeat(3)
+        warm_slots = torch.cat([table[r, torch.arange(8) // block_size] * block_size + torch.arange(8) % block_size
+                                for r in (1, 2, 3)])
+        meta = AttentionMetadata.build([0, 8, 16, 24], [8, 8, 8], table[1:], warm_slots, block_size,
+                                       model.decode_kernel)
+        model.forward(warm_ids, warm_pos, meta, kv)
+        ids = torch.randint(model.config.vocab_size, (6 + 3 + 1 + 1,), generator=gen)
+        pos = torch.tensor([0, 1, 2, 3, 4, 5, 8, 9, 10, 8, 8])
+        rows = torch.tensor([0] * 6 + [1] * 3 + [2, 3])
+        slots = table[rows, pos // block_size] * block_size + pos % block_size
+        meta = AttentionMetadata.build([0, 6, 9, 10, 11], [6, 11, 9, 9], table, slots, block_size, model.decode_kernel)
+        logits = model.forward(ids, pos, meta, kv, torch.tensor([5, 8, 9, 10]))
+        decode_pos = torch.tensor([6, 11, 9, 9])
+        decode_slots = table[torch.arange(4), decode_pos // block_size] * block_size + decode_pos % block_size
+        meta = AttentionMetadata.build([0, 1, 2, 3, 4], [7, 12, 10, 10], table, decode_slots, block_size,
+                                       model.decode_kernel)
+        decode_logits = model.forward(logits.argmax(-1), decode_pos, meta, kv)
+        results.append((logits, decode_logits, torch.stack([torch.stack(pair) for pair in kv])))
+        model.fused_ops = ops
+    tolerance = 1e-4 if weight_dtype == torch.float32 else 5e-2
+    for fused, reference in zip(*results):
+        torch.testing.assert_close(fused, reference, rtol=tolerance, atol=tolerance)
+
+
+def test_layers_the_kernels_cannot_read_keep_the_op_path(tiny_checkpoint) -> None:
+    fp16 = LlamaModel.from_weights(tiny_checkpoint.config, tiny_checkpoint.weights, weight_dtype=torch.float16)
+    assert fp16.fused_ops is None
+    no_kernels = LlamaModel.from_weights(tiny_checkpoint.config, tiny_checkpoint.weights, use_cpu_kernels=False)
+    assert no_kernels.fused_ops is None
