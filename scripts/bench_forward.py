@@ -112,6 +112,7 @@ FORMS = {  # name -> (activations, weights) as EngineConfig spells them
     "bf16": ("float32", "bfloat16"),
     "auto": ("auto", None),
     "packed": ("float32", "quantized"),  # the packed kernels at every batch size (no dense copy)
+    "auto-ops": ("auto", None),  # auto without the fused layer kernels: one PyTorch op per stage
 }
 
 
@@ -119,6 +120,10 @@ def build_form(checkpoint, form: str) -> tuple[LlamaModel, str]:  # noqa: ANN001
     """The model as the engine would build it for `form`, and the resolved choice in words."""
     dtype, weight_dtype = FORMS[form]
     choice = resolve_dtype(dtype, weight_dtype, "cpu", checkpoint.is_quantized, CpuFeatures.detect())
+    if form == "auto-ops":
+        model = build_model(checkpoint.config, checkpoint.weights, choice, "cpu", 4096)
+        model.fused_ops = None
+        return model, choice.describe() + ", op by op (no fused layer kernels)"
     if form == "packed":
         model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights, max_positions=4096,
                                         quantized=True, thresholds=PackThresholds.always_packed())
@@ -157,7 +162,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--forms", default="fp32,bf16,auto",
                         help="tokenloop forms, side by side: fp32, bf16 (weights), auto (the default dtype), "
-                             "packed (int4 / Q8_0 at every batch size)")
+                             "packed (int4 / Q8_0 at every batch size), auto-ops (auto without the fused layer kernels)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--no-ready", action="store_true", help="skip the time-to-ready / RSS probes")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV pool of the ready probes")
