@@ -30,13 +30,13 @@ def main() -> None:
     args = parser.parse_args()
     trace = make_trace(TraceConfig(num_requests=args.requests, seed=0, request_rate=args.rate))
     profile = load_profile(args.profile)
-    began = time.perf_counter()
+    began, began_cpu = time.perf_counter(), time.process_time()
     options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     result, _ = simulate_trace(trace, profile, ["fcfs"], options)
-    wall = time.perf_counter() - began
+    wall, cpu = time.perf_counter() - began, time.process_time() - began_cpu
     run = result.runs[0]
     tokens = sum(r.output_len for r in run.records)
-    print(f"{args.requests} requests at {args.rate:g}/s on {profile.name}: wall {wall:.2f} s "
+    print(f"{args.requests} requests at {args.rate:g}/s on {profile.name}: wall {wall:.2f} s, cpu {cpu:.2f} s "
           f"({wall / args.requests * 1e3:.3f} ms/request, {wall / run.num_steps * 1e6:.0f} us/step, "
           f"{wall / tokens * 1e6:.1f} us/output token); {run.num_steps} steps, {tokens} output tokens, "
           f"simulated span {run.duration_s:.1f} s, {run.num_preemptions} preemptions")
