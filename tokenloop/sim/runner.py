@@ -51,9 +51,6 @@ class SimulatedRunner:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.filler_token_id = filler_token_id
-        # Row 0 is the filler's one-hot logits, row 1 EOS's: a step's logits are rows of this table.
-        self._one_hot = torch.zeros(2, vocab_size)
-        self._one_hot[0, filler_token_id] = self._one_hot[1, eos_token_id] = 1.0
         self.modelled_ns = 0  # the sum of every step's modelled cost
         # Modelled time and steps by the side of the roofline that bounds them.
         self.bound_ns = {"bandwidth": 0, "compute": 0}
@@ -89,14 +86,21 @@ class SimulatedRunner:
         self.bound_ns[bound] += cost_ns
         self.bound_steps[bound] += 1
         indices = []
-        is_eos = []  # per sampling row: 1 for EOS, 0 for the filler (a row of self._one_hot)
+        eos_rows = []
         for i, item in enumerate(output.scheduled):
             if item.samples:
                 request = item.request
-                indices.append(i)
                 # The token sampled now is output number num_output_tokens + 1; the last one is EOS.
-                is_eos.append(int(request.num_output_tokens + 1 >= (request.sampling_params.max_tokens or 1)))
-        logits = self._one_hot[torch.tensor(is_eos, dtype=torch.long)]
+                if request.num_output_tokens + 1 >= (request.sampling_params.max_tokens or 1):
+                    eos_rows.append(len(indices))
+                indices.append(i)
+        # One-hot rows, built in place (a filled column and a few fixed rows: no int64 one-hot, no gather).
+        filler, eos = self.filler_token_id, self.eos_token_id
+        logits = torch.zeros(len(indices), self.vocab_size)
+        logits[:, filler] = 1.0
+        for row in eos_rows:
+            logits[row, filler] = 0.0
+            logits[row, eos] = 1.0
         return RunnerOutput(indices, logits, forward_s=cost_ns / 1e9, weight_form=WEIGHT_FORM)
 
 
