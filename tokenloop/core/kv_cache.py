@@ -450,6 +450,15 @@ class KVCacheManager:
             raise ValueError("num_computed_from_cache must cover exactly the computed blocks")
         request_id = request.request_id
         table = self._tables.get(request_id)
+        if table is not None and not computed_blocks:
+            # The common decode step: the tokens fit in the blocks held and fill none of them, so there
+            # is nothing to take, hash or publish.
+            total_tokens = request.num_computed_tokens + num_new_tokens
+            if (total_tokens <= len(table) * self.block_size and (
+                    not self.enable_caching
+                    or min(total_tokens, request.num_tokens) // self.block_size
+                    <= self._num_published[request_id])):
+                return []
         if computed_blocks and (table or request.num_computed_tokens):
             raise ValueError(f"{request_id}: prefix hits can only seed an empty block table")
         total_tokens = request.num_computed_tokens + num_computed_from_cache + num_new_tokens

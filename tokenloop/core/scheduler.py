@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from tokenloop.config import SchedulerConfig
 from tokenloop.core.kv_cache import BlockRelease, KVCacheManager
-from tokenloop.core.policy import Policy, make_policy
+from tokenloop.core.policy import Policy, WaitingQueue, make_policy
 from tokenloop.errors import CapacityError, InvalidRequestError
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
 
@@ -107,6 +107,11 @@ class Scheduler:
         # Dicts keyed by request id: O(1) removal, and iteration in insertion order.
         self._running: dict[str, Request] = {}
         self._waiting: dict[str, Request] = {}
+        # The waiting requests kept in policy order (a policy with `waiting_key`), so a long queue is not
+        # sorted every step; requests are ranked when the waiting pass next runs, so what fails to rank
+        # fails there, as a whole-queue sort would.
+        self._waiting_order = WaitingQueue(self.policy) if hasattr(self.policy, "waiting_key") else None
+        self._unranked: list[Request] = []
         # Exporting (handoff): out of both queues, blocks kept; with the status to go back to on a resume.
         self._paused: dict[str, tuple[Request, RequestStatus]] = {}
         # Imported running requests whose block table the runner has not seen: their next turn ships it all.
@@ -196,7 +201,7 @@ class Scheduler:
                 param="max_tokens" if prompt_fits else "prompt")
         if self.config.max_waiting is not None and len(self._waiting) >= self.config.max_waiting:
             raise CapacityError(f"the waiting queue is full ({self.config.max_waiting} requests)")
-        self._waiting[request.request_id] = request
+        self._wait(request)
         self.policy.on_arrival(request, self.clock())
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -206,7 +211,7 @@ class Scheduler:
         """
         if not status.is_finished:
             raise ValueError(f"{status} is not a finished status")
-        request = self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
+        request = self._running.pop(request_id, None) or self._unwait(request_id)
         if request is None and request_id in self._paused:
             request = self._paused.pop(request_id)[0]
         if request is None:
@@ -233,7 +238,7 @@ class Scheduler:
 
     def pause(self, request_id: str) -> Request:
         """Take an unfinished request out of both queues, keeping its blocks (status EXPORTING)."""
-        request = self._running.pop(request_id, None) or self._waiting.pop(request_id, None)
+        request = self._running.pop(request_id, None) or self._unwait(request_id)
         if request is None:
             raise InvalidRequestError(f"request {request_id!r} is not running or waiting here",
                                       param="request_id")
@@ -253,7 +258,7 @@ class Scheduler:
         if status is RequestStatus.RUNNING:
             self._running[request_id] = request
         else:
-            self._waiting[request_id] = request
+            self._wait(request)
             if status is RequestStatus.PREEMPTED:
                 self._num_preempted_waiting += 1
         return request
@@ -288,7 +293,17 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._wait(request)
+
+    def _wait(self, request: Request) -> None:
         self._waiting[request.request_id] = request
+        if self._waiting_order is not None:
+            self._unranked.append(request)
+
+    def _unwait(self, request_id: str) -> Request | None:
+        if self._waiting_order is not None:
+            self._waiting_order.remove(request_id)
+        return self._waiting.pop(request_id, None)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work: running requests first, then admissions, all in policy order."""
@@ -345,7 +360,7 @@ class Scheduler:
 
         # Admitting right after preempting would only evict again what was just made room for.
         if not output.preempted:
-            for request in self._in_policy_order(self._waiting, now, output):
+            for request in self._waiting_in_order(now, output):
                 if budget <= 0 or len(self._running) >= self.config.max_num_seqs:
                     break
                 if request.request_id not in self._waiting:
@@ -373,7 +388,7 @@ class Scheduler:
                     kv_ns += timer() - begin
                     if new_blocks is None:
                         break  # waiting requests never preempt; later ones must not overtake it either
-                    del self._waiting[request.request_id]
+                    self._unwait(request.request_id)
                     self._running[request.request_id] = request
                     if request.status is RequestStatus.PREEMPTED:
                         self._num_preempted_waiting -= 1
@@ -413,6 +428,20 @@ class Scheduler:
                 for request in culprits:
                     self._fail_request(request, "ranking", output)
 
+    def _waiting_in_order(self, now: int, output: SchedulerOutput) -> Iterator[Request]:
+        """The waiting queue in policy order: kept incrementally when the policy can, else sorted now."""
+        queue = self._waiting_order
+        if queue is None:
+            return self._in_policy_order(self._waiting, now, output)
+        unranked, self._unranked = self._unranked, []
+        for request in unranked:
+            if self._waiting.get(request.request_id) is request and request.request_id not in queue:
+                try:
+                    queue.add(request)
+                except Exception:  # noqa: BLE001 - this request's ranking fails: it alone fails
+                    self._fail_request(request, "ranking", output)
+        return queue.ordered(now)
+
     def _ranks(self, request: Request, now: int) -> bool:
         try:
             list(self.policy.order([request], now))
@@ -437,7 +466,7 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - the policy's bookkeeping failed too: drop the request anyway
             logger.exception("finishing failed request %s raised", request.request_id)
             self._running.pop(request.request_id, None)
-            self._waiting.pop(request.request_id, None)
+            self._unwait(request.request_id)
             request.status = RequestStatus.FINISHED_ERROR
             self._released_ids.append(request.request_id)
             self._releases.append((request, self.kv_cache.free(request), self.clock(), self.clock()))

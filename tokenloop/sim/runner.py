@@ -86,17 +86,21 @@ class SimulatedRunner:
         self.bound_ns[bound] += cost_ns
         self.bound_steps[bound] += 1
         indices = []
-        tokens = []
-        eos, filler = self.eos_token_id, self.filler_token_id
+        eos_rows = []
         for i, item in enumerate(output.scheduled):
             if item.samples:
                 request = item.request
-                indices.append(i)
                 # The token sampled now is output number num_output_tokens + 1; the last one is EOS.
-                last = request.num_output_tokens + 1 >= (request.sampling_params.max_tokens or 1)
-                tokens.append(eos if last else filler)
-        logits = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long),
-                                             self.vocab_size).to(torch.float32)
+                if request.num_output_tokens + 1 >= (request.sampling_params.max_tokens or 1):
+                    eos_rows.append(len(indices))
+                indices.append(i)
+        # One-hot rows, built in place (a filled column and a few fixed rows: no int64 one-hot, no gather).
+        filler, eos = self.filler_token_id, self.eos_token_id
+        logits = torch.zeros(len(indices), self.vocab_size)
+        logits[:, filler] = 1.0
+        for row in eos_rows:
+            logits[row, filler] = 0.0
+            logits[row, eos] = 1.0
         return RunnerOutput(indices, logits, forward_s=cost_ns / 1e9, weight_form=WEIGHT_FORM)
 
 

@@ -1,0 +1,157 @@
+"""The engine core's decisions, pinned: a seeded trace through the simulated engine must reproduce, step for
+step, the records recorded before the scheduler and KV cache were optimised for speed (issue 13, item 6).
+
+Every policy runs a trace built to reach the hard paths: a small KV pool (preemption by recompute, resumes
+that recompute in chunks), shared prefixes (prefix hits), prompts longer than a step's budget and a
+long-prefill threshold (chunked prefill), a waiting queue tens of requests long, priorities, users, aborts
+between steps, and KV events. The digest covers every field of every `StepRecord` (but `kv_ns`, which is
+wall time), every output, and every KV event batch; the time stamps are the virtual clock's, so they are
+exact. A change that alters any decision changes the digest: if it is meant to, re-record the digests with
+`python tests/sim/test_schedule_digest.py` and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+import sys
+from typing import Any
+
+import pytest
+
+from tokenloop.bench.replay import VirtualClock, greedy_params
+from tokenloop.llm import build_engine_config
+from tokenloop.observe.records import EngineObserver, StepRecord
+from tokenloop.sim.cost import StepCostModel
+from tokenloop.sim.engine import SimulatedEngine
+
+COST = StepCostModel(step=0.004, tokens=0.0001, kv_read_tokens=2e-7, prefill_attn=1e-9, sampled_rows=2e-5,
+                     seqs=1e-5)
+VOCAB = 512
+POLICIES = ("fcfs", "priority", "sjf", "fair")
+SETTINGS = {
+    "plain": {},
+    # A threshold below the budget: long prompts are chunked even when the budget has room.
+    "threshold+events": {"long_prefill_token_threshold": 12, "enable_kv_events": True},
+}
+
+# Recorded on main before the speed work (commit 899da89); see the module docstring.
+DIGESTS = {
+    ('fcfs', 'plain'): '1319ed552950de68a0365838e7ca02d918e3ba75f08bcb80bb38b27b117f0b46',
+    ('priority', 'plain'): 'b46e7777d20c7fcf0e7061dcf77ab8d91ef36847397b5a1b86132d500baa2b7e',
+    ('sjf', 'plain'): '66cf2d2d640a4e6757db9d64cba308f0c90cb95e1f751de0bf83d27e8108c82f',
+    ('fair', 'plain'): '3547d0c86eb4ea4d1f789a6d78640dee3b59e98fe65b9c453a3810e380605a77',
+    ('fcfs', 'threshold+events'): '5990048a8c0d40c07fc83f1d8448a06707c5929b5320c6b7303682877798e1a6',
+    ('priority', 'threshold+events'): '5daa2aa21d34e51b9f163513e7da61e7768b98a1f9b9d11c2aaa99330c128d54',
+    ('sjf', 'threshold+events'): '49c932ae7f73e9116e33e2aceda703834645a1117f1237002ee46e3908078ec3',
+    ('fair', 'threshold+events'): 'd3d3f91cc0b8be91e96b2213b83da4d846117cfeef5fc68eee2bf66ebc837e14',
+}
+
+
+@dataclasses.dataclass
+class Trace:
+    arrival_ns: list[int]
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    priorities: list[int]
+    users: list[str | None]
+
+
+def make_trace(seed: int = 13, n: int = 160) -> Trace:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, VOCAB - 2) for _ in range(rng.randrange(8, 24))] for _ in range(3)]
+    trace = Trace([], [], [], [], [])
+    t = 0
+    for i in range(n):
+        # Bursts (a long waiting queue) and lulls (the engine drains and idles).
+        t += rng.choice((0, 1_000_000, 3_000_000)) if i % 40 < 30 else rng.choice((50_000_000, 200_000_000))
+        own = [rng.randrange(1, VOCAB - 2) for _ in range(rng.choice((1, 3, 9, 20, 45, 90)))]
+        prompt = (rng.choice(prefixes) + own) if rng.random() < 0.45 else own
+        trace.arrival_ns.append(t)
+        trace.prompts.append(prompt)
+        trace.max_tokens.append(rng.choice((1, 2, 5, 12, 30, 60)))
+        trace.priorities.append(rng.choice((-1, 0, 0, 1, 3)))
+        trace.users.append(rng.choice(("ann", "bob", "cy", None)))
+    return trace
+
+
+class Keep(EngineObserver):
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    def on_step(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+
+def run(policy: str, setting: str, trace: Trace) -> tuple[list[Any], Keep, SimulatedEngine]:
+    """Replay `trace`; returns what the loop produced, step by step (the records are in `Keep`)."""
+    clock = VirtualClock()
+    options = {"block_size": 4, "num_blocks": 40, "max_num_seqs": 6, "max_num_batched_tokens": 32,
+               "policy": policy, "priority_aging_per_s": 2.0, "sjf_aging_tokens_per_s": 50.0,
+               **SETTINGS[setting]}
+    engine = SimulatedEngine(build_engine_config("simulated", **options), COST, clock, vocab_size=VOCAB,
+                             max_model_len=160, kv_bytes_per_token=1024)
+    keep = Keep()
+    engine.add_observer(keep)
+    produced: list[Any] = []
+    next_arrival = 0
+    steps = 0
+    while next_arrival < len(trace.arrival_ns) or engine.core.has_unfinished_requests():
+        while next_arrival < len(trace.arrival_ns) and trace.arrival_ns[next_arrival] <= clock():
+            i = next_arrival
+            engine.add_request(f"r{i}", None, greedy_params(trace.max_tokens[i]),
+                               prompt_token_ids=trace.prompts[i], priority=trace.priorities[i],
+                               user=trace.users[i], arrival_ns=trace.arrival_ns[i])
+            next_arrival += 1
+        if not engine.core.has_unfinished_requests():
+            clock.advance_to(trace.arrival_ns[next_arrival])
+            continue
+        steps += 1
+        if steps % 23 == 0:  # an abort between steps: the oldest unfinished request, waiting or running
+            victim = min(engine.core._requests)  # any deterministic pick will do
+            produced.append(("abort", engine.core.finish_requests([victim])))
+            if not engine.core.has_unfinished_requests():
+                continue
+        outs, finished = engine.step_outputs()
+        produced.append((outs.outputs, outs.num_scheduled, outs.timestamp_ns, outs.kv_events, finished))
+        if outs.num_scheduled == 0:
+            assert next_arrival < len(trace.arrival_ns), "the engine holds requests but schedules none"
+            clock.advance_to(trace.arrival_ns[next_arrival])
+    return produced, keep, engine
+
+
+def digest(produced: list[Any], records: list[StepRecord]) -> str:
+    h = hashlib.sha256()
+    h.update(repr(produced).encode())
+    for record in records:
+        h.update(repr(dataclasses.replace(record, kv_ns=0)).encode())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trace() -> Trace:
+    return make_trace()
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_step_records_of_a_fixed_trace_are_unchanged(trace: Trace, policy: str, setting: str) -> None:
+    produced, keep, engine = run(policy, setting, trace)
+    chunks = [c for r in keep.records for c in r.scheduled]
+    # The trace reaches the paths the digest is meant to pin down.
+    assert sum(len(r.preempted) for r in keep.records) >= 3
+    assert any(c.prefix_hit_tokens for c in chunks)
+    assert any(0 < c.start < c.num_prompt_tokens for c in chunks)  # a prefill continued over steps
+    assert max(r.gauges.num_waiting for r in keep.records) >= 20
+    assert any(item[0] == "abort" and item[1] for item in produced)
+    assert not engine.core.has_unfinished_requests()
+    engine.kv_cache.check_invariants([])
+    assert digest(produced, keep.records) == DIGESTS[(policy, setting)]
+
+
+if __name__ == "__main__":  # print the digests to record
+    recorded = make_trace()
+    for key in DIGESTS:
+        produced, keep, _ = run(*key, recorded)
+        print(f"    {key!r}: {digest(produced, keep.records)!r},", file=sys.stdout)
