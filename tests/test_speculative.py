@@ -194,7 +194,7 @@ def test_sampled_and_penalised_requests_decode_one_token_a_step(tiny: Checkpoint
     assert counts.drafts == 0
 
 
-def _final_token_ids(outputs) -> list[list[int]]:  # noqa: ANN001 - RequestOutput list
+def _final_token_ids(outputs: list) -> list[list[int]]:  # RequestOutputs
     return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
 
 
