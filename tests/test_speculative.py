@@ -15,9 +15,15 @@ from tokenloop import LLM, SamplingParams
 from tokenloop.config import SpeculativeConfig
 from tokenloop.core.kv_cache import block_hash_chain
 from tokenloop.core.speculative import can_speculate
+from tokenloop.errors import ConfigError
+from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
+from tokenloop.observe.metrics import EngineMetrics
 from tokenloop.observe.records import EngineObserver, StepRecord
 from tokenloop.request import Request
+from tokenloop.sim.cluster import ReplicaClock
+from tokenloop.sim.cost import StepCostModel
+from tokenloop.sim.runner import sim_core
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -224,3 +230,20 @@ def test_kv_accounting_is_exact(tiny: Checkpoint, long_continuations: dict, seed
         spec.generate(prompts, GREEDY, use_tqdm=False)
         plain.generate(prompts, GREEDY, use_tqdm=False)
         assert kv.prefix_cache_hits == plain_kv.prefix_cache_hits > 0
+
+
+def test_metrics_count_drafts_and_the_simulator_refuses_speculation(tiny: Checkpoint) -> None:
+
+    spec, counts = _spec_llm(tiny)
+    metrics = EngineMetrics("tiny")
+    spec.engine.add_observer(metrics)
+    _tokens(spec, PROMPTS[:10])
+    text = metrics.render().decode()
+    assert counts.accepted > 0
+    assert f'tokenloop:spec_decode_num_draft_tokens_total{{model_name="tiny",replica="0"}} {counts.drafts}.0' in text
+    assert (f'tokenloop:spec_decode_num_accepted_tokens_total{{model_name="tiny",replica="0"}} '
+            f'{counts.accepted}.0') in text
+    config = build_engine_config("simulated", block_size=4, num_blocks=32, speculative=NGRAM)
+    with pytest.raises(ConfigError, match="simulator does not model speculative decoding"):
+        sim_core(config, StepCostModel(step=0.01, tokens=0.0002), ReplicaClock(), vocab_size=64, max_model_len=128,
+                 kv_bytes_per_token=1024)

@@ -29,7 +29,7 @@ from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
 from tokenloop.core.recording import gauges, release_infos, step_record
 from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerStats
 from tokenloop.core.speculative import NgramProposer, accept_greedy
-from tokenloop.errors import InvalidRequestError
+from tokenloop.errors import ConfigError, InvalidRequestError
 from tokenloop.model.dtypes import CpuFeatures, build_model, resolve_dtype
 from tokenloop.model.loader import Checkpoint, load_checkpoint
 from tokenloop.observe.records import ArrivalRecord, ObserverSet, Observes
@@ -87,6 +87,8 @@ class EngineCore:
                                      min(config.max_model_len or model_len, model_len))
             kv_bytes_per_block = self.model.kv_bytes_per_block(block_size)
         else:  # no model: the stand-in's runner (tokenloop.sim) produces the steps' logits and their time
+            if config.speculative is not None:
+                raise ConfigError("the simulator does not model speculative decoding: leave speculative unset")
             tokenizer, self.dtype_choice, self.model = None, None, None
             self.vocab_size, self.eos_token_id = stand_in.vocab_size, stand_in.eos_token_id
             model_len = stand_in.max_model_len
