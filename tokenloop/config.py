@@ -126,6 +126,34 @@ class SchedulerConfig:
                  "fair_prompt_token_weight and fair_output_token_weight must not both be 0")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding by n-gram prompt lookup (vLLM's `ngram` method; no draft model).
+
+    Each step, a decoding request looks for the most recent earlier occurrence of its last n tokens
+    (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and output, proposes the
+    `num_speculative_tokens` tokens that followed it, and the model verifies them in the same forward.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPECULATIVE_METHODS,
+                 f"unknown speculative method {self.method!r} (valid: {', '.join(SPECULATIVE_METHODS)})")
+        _require(self.num_speculative_tokens > 0,
+                 f"num_speculative_tokens must be > 0, got {self.num_speculative_tokens}")
+        _require(self.prompt_lookup_min > 0, f"prompt_lookup_min must be > 0, got {self.prompt_lookup_min}")
+        _require(self.prompt_lookup_max >= self.prompt_lookup_min,
+                 f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
+                 f"({self.prompt_lookup_min})")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to run one model: model source, device, dtype and the budgets."""
@@ -142,6 +170,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "float16", "bfloat16"),
@@ -150,3 +179,5 @@ class EngineConfig:
                  f"weight_dtype must be float32, float16, bfloat16 or quantized, got {self.weight_dtype!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be > 0, got {self.max_model_len}")
+        _require(self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
+                 f"speculative must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")

@@ -259,7 +259,9 @@ class OutputProcessor:
                 stop_string = update.stop_string
                 break  # text after a stop string is never emitted; neither are its tokens' successors
         if stop_string is not None:
-            if out.finish_reason == "stop":  # EOS or a stop token on the same token ranks first (vLLM's order)
+            # EOS or a stop token on the same token ranks first (vLLM's order); one further on (a speculative
+            # step appends several tokens) comes after the stop string and never happened.
+            if out.finish_reason == "stop" and i == len(out.new_token_ids) - 1:
                 self._finish(sample, out, now)
                 return None
             sample.finish_reason, sample.stop_reason = "stop", stop_string

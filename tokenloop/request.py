@@ -18,6 +18,7 @@ from tokenloop.errors import InvalidRequestError
 from tokenloop.structured.spec import StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from tokenloop.core.speculative import NgramIndex
     from tokenloop.structured.matcher import RequestMatcher
 
 Clock = Callable[[], int]
@@ -240,6 +241,8 @@ class Request:
         self.times = RequestTimes(arrival=arrival_ns)
         # Chained hashes of this request's full blocks, filled in lazily by the KV cache manager.
         self.block_hashes: list[int] = []
+        # The n-gram lookup index of speculative decoding, filled in lazily by its proposer.
+        self.ngram_index: NgramIndex | None = None
         # A seeded request draws from its own generator so that batching does not change its output.
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:

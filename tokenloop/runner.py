@@ -2,7 +2,8 @@
 
 It builds the step's flat tensors (`input_ids`, `positions`, `slot_mapping`, `query_start_loc`,
 `seq_lens`, `block_table`, `logits_indices`) and returns logits only where something will be read:
-the last position of each request that samples this step, and every prompt position of a request
+the last position of each request that samples this step (every position of a row with speculative
+drafts: its real token's and each draft's, to verify them), and every prompt position of a request
 that asked for prompt logprobs.
 
 Block tables live in one persistent `[rows, max blocks]` array: a request gets a row on admission,
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenloop.core.scheduler import SchedulerOutput
+from tokenloop.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenloop.model.attention import AttentionMetadata
 from tokenloop.model.llama import LlamaModel
 
@@ -35,7 +36,10 @@ class PromptLogitsSlice:
 
 @dataclass
 class RunnerOutput:
-    """Logits of the sampling rows, in the order of `sample_indices` into the step's scheduled list."""
+    """Logits of the sampling rows, in the order of `sample_indices` into the step's scheduled list.
+
+    A row with `d` draft tokens has `1 + d` consecutive logits rows: after its real token, then after each draft.
+    """
 
     sample_indices: list[int]
     logits: torch.Tensor  # [len(sample_indices), vocab]
@@ -185,6 +189,9 @@ class ModelRunner:
             start = item.num_computed_tokens
             if item.num_tokens == 1:
                 input_ids.append(tokens[start])
+            elif item.draft_token_ids:  # one real token, then the drafts to verify
+                input_ids.append(tokens[start])
+                input_ids.extend(item.draft_token_ids)
             else:
                 input_ids.extend(tokens[start:start + item.num_tokens])
 
@@ -207,6 +214,8 @@ class ModelRunner:
             logits_index = torch.tensor(logits_rows, dtype=torch.long)
         else:
             logits_index = torch.from_numpy(query_start_loc[1:][sample_indices] - 1)
+            if output.num_draft_tokens:
+                logits_index = torch.from_numpy(_with_draft_rows(logits_index.numpy(), sample_indices, scheduled))
 
         device = self.device
         meta = AttentionMetadata.build(torch.from_numpy(query_start_loc), torch.from_numpy(seq_lens),
@@ -248,5 +257,15 @@ class ModelRunner:
                     prompt_rows.append((request.request_id, targets.start + 1, len(logits_rows), num))
                     logits_rows.extend(range(base, base + num))
             if item.samples:
-                logits_rows.append(base + n - 1)
+                logits_rows.extend(range(base + n - 1 - len(item.draft_token_ids), base + n))
         return logits_rows, prompt_rows
+
+
+def _with_draft_rows(last_rows: np.ndarray, sample_indices: np.ndarray, scheduled: list[ScheduledRequest],
+                     ) -> np.ndarray:
+    """Each sampling row's last position, widened to its 1 + d positions when it carries d drafts."""
+    drafts = np.fromiter((len(scheduled[i].draft_token_ids) for i in sample_indices), np.int64, len(sample_indices))
+    counts = drafts + 1
+    first = last_rows - drafts
+    offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(first, counts) + offsets

@@ -9,7 +9,8 @@ import re
 import time
 from typing import Any
 
-from tokenloop.config import SCHEDULING_POLICIES
+from tokenloop.config import SCHEDULING_POLICIES, SPECULATIVE_METHODS, SpeculativeConfig
+from tokenloop.errors import ConfigError
 from tokenloop.model.loader import DEFAULT_MODEL
 
 logger = logging.getLogger("tokenloop")
@@ -61,6 +62,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="projection weights (default: --dtype, or chosen by auto); bfloat16 halves the bytes "
                             "each step streams; quantized keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks packed for the "
                             "CPU int4 / Q8_0 kernels (bf16 for large batches)")
+    spec = parser.add_argument_group("speculative decoding (n-gram prompt lookup; greedy requests only)")
+    spec.add_argument("--speculative-method", choices=list(SPECULATIVE_METHODS),
+                      help="turn speculative decoding on: ngram proposes drafts from the request's own tokens")
+    spec.add_argument("--num-speculative-tokens", type=positive_int,
+                      help=f"draft tokens verified per step (default {SpeculativeConfig.num_speculative_tokens}; "
+                           "implies --speculative-method ngram)")
+    spec.add_argument("--prompt-lookup-min", type=positive_int,
+                      help=f"shortest n-gram matched (default {SpeculativeConfig.prompt_lookup_min})")
+    spec.add_argument("--prompt-lookup-max", type=positive_int,
+                      help=f"longest n-gram matched (default {SpeculativeConfig.prompt_lookup_max})")
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,7 +86,27 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
             options[key] = value
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
+    speculative = _speculative_config(args)
+    if speculative is not None:
+        options["speculative"] = speculative
     return options
+
+
+def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The speculative flags as a config; None when none is given; ConfigError for a bad combination."""
+    method = getattr(args, "speculative_method", None)
+    num = getattr(args, "num_speculative_tokens", None)
+    lookup = {key: getattr(args, key, None) for key in ("prompt_lookup_min", "prompt_lookup_max")}
+    lookup = {key: value for key, value in lookup.items() if value is not None}
+    if method is None and num is None:
+        if lookup:
+            raise ConfigError("--prompt-lookup-min/--prompt-lookup-max need speculative decoding on "
+                              "(--speculative-method ngram or --num-speculative-tokens K)")
+        return None
+    options: dict[str, Any] = {"method": method or "ngram", **lookup}
+    if num is not None:
+        options["num_speculative_tokens"] = num
+    return SpeculativeConfig(**options)
 
 
 def load_engine(args: argparse.Namespace):  # noqa: ANN202 - LLMEngine, imported lazily (torch is slow to import)

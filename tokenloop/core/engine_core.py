@@ -27,8 +27,9 @@ from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.kv_events import KVEventBatch, KVEventLog, KVIndexSnapshot
 from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
 from tokenloop.core.recording import gauges, release_infos, step_record
-from tokenloop.core.scheduler import Scheduler, SchedulerStats
-from tokenloop.errors import InvalidRequestError
+from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerStats
+from tokenloop.core.speculative import NgramProposer, accept_greedy
+from tokenloop.errors import ConfigError, InvalidRequestError
 from tokenloop.model.dtypes import CpuFeatures, build_model, resolve_dtype
 from tokenloop.model.loader import Checkpoint, load_checkpoint
 from tokenloop.observe.records import ArrivalRecord, ObserverSet, Observes
@@ -86,6 +87,8 @@ class EngineCore:
                                      min(config.max_model_len or model_len, model_len))
             kv_bytes_per_block = self.model.kv_bytes_per_block(block_size)
         else:  # no model: the stand-in's runner (tokenloop.sim) produces the steps' logits and their time
+            if config.speculative is not None:
+                raise ConfigError("the simulator does not model speculative decoding: leave speculative unset")
             tokenizer, self.dtype_choice, self.model = None, None, None
             self.vocab_size, self.eos_token_id = stand_in.vocab_size, stand_in.eos_token_id
             model_len = stand_in.max_model_len
@@ -102,7 +105,8 @@ class EngineCore:
         self.kv_events = KVEventLog() if config.cache.enable_kv_events else None
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                        events=self.kv_events)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock)
+        proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock, proposer=proposer)
         self.runner = (ModelRunner(self.model, num_blocks, block_size) if stand_in is None
                        else stand_in.make_runner(num_blocks, block_size))
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
@@ -209,19 +213,29 @@ class EngineCore:
             schedule, result, failures = execute_isolated(self.runner, schedule)
         execute_end = clock()
         sampled: list[Sampled] = []
+        speculating = result is not None and schedule.num_draft_tokens > 0
         if result is not None:
             self.scheduler.update_from_output(schedule)
             sampling = [schedule.scheduled[i].request for i in result.sample_indices]
+            if speculating:  # a drafted row's logits rows: after its real token, then after each draft
+                sampling = [schedule.scheduled[i].request for i in result.sample_indices
+                            for _ in range(1 + len(schedule.scheduled[i].draft_token_ids))]
             sampled, failed_sampling = sample_isolated(self.sampler, result.logits, sampling, self.vocab_size)
             failures += failed_sampling
             self._record_prompt_logprobs(result, pending)
         sample_end = clock()
-        for request, token, logprobs in sampled:
-            try:
-                self._update(request, token, logprobs, sample_end, pending)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the others down
-                logger.exception("update of %s failed", request.request_id)
-                failures.append((request, "updating", exc))
+        num_accepted = 0
+        if speculating:
+            assert result is not None
+            sampled, num_accepted = self._verify([schedule.scheduled[i] for i in result.sample_indices], sampled,
+                                                 failures, sample_end, pending)
+        else:
+            for request, token, logprobs in sampled:
+                try:
+                    self._update(request, token, logprobs, sample_end, pending)
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not take the others down
+                    logger.exception("update of %s failed", request.request_id)
+                    failures.append((request, "updating", exc))
         for request, stage, cause in failures:
             self._fail_request(request, stage, cause)
         for request in [*schedule.failed, *(f[0] for f in failures)]:  # they end now, alone
@@ -233,7 +247,7 @@ class EngineCore:
         record = None
         if self.observers and (not schedule.is_empty or schedule.preempted or releases):
             record = step_record(self.num_steps, (start, schedule_end, execute_end, sample_end, end), schedule,
-                                 result, sampled, releases, gauges(self.scheduler, self.kv_cache))
+                                 result, sampled, releases, gauges(self.scheduler, self.kv_cache), num_accepted)
             self.observers.step(record)
         kv_events = self.kv_events.flush(end) if self.kv_events is not None else None
         return CoreOutputs(outputs, sample_end, len(schedule.scheduled), record, kv_events=kv_events)
@@ -305,6 +319,51 @@ class EngineCore:
     def _update(self, request: Request, token: int, logprobs: TokenLogprobs | None, now: int,
                 pending: dict[str, _Pending]) -> None:
         """Append the token, stamp it, and run the core's stop checks in vLLM's order."""
+        status = self._append(request, token, logprobs, now, pending)
+        if status is not None:
+            request.times.finished = now
+            self.scheduler.finish_request(request.request_id, status)
+
+    def _verify(self, items: list[ScheduledRequest], sampled: list[Sampled], failures: list[Failure], now: int,
+                pending: dict[str, _Pending]) -> tuple[list[Sampled], int]:
+        """A speculative step's update: per sampling row, the model's tokens after its real token and each
+        draft; keep the drafts it agrees with plus its next token, appending them one by one with the stop
+        checks, so a request stops exactly where plain decoding would. Returns the appended tokens and how
+        many drafts were accepted."""
+        rows: dict[str, list[tuple[int, TokenLogprobs | None]]] = {}
+        for request, token, logprobs in sampled:
+            rows.setdefault(request.request_id, []).append((token, logprobs))
+        failed = {request.request_id for request, _, _ in failures}
+        appended: list[Sampled] = []
+        total_accepted = 0
+        for item in items:
+            request = item.request
+            targets = rows.get(request.request_id)
+            if targets is None or request.request_id in failed:
+                continue
+            accepted = accept_greedy(item.draft_token_ids, [token for token, _ in targets])
+            total_accepted += accepted
+            try:
+                status, num_appended = None, 0
+                for token, logprobs in targets[:accepted + 1]:
+                    status = self._append(request, token, logprobs, now, pending)
+                    appended.append((request, token, logprobs))
+                    num_appended += 1
+                    if status is not None:
+                        break
+                if item.draft_token_ids:  # every appended token but the last was an input with its K/V computed
+                    self.scheduler.accept_drafts(item, num_appended - 1)
+                if status is not None:
+                    request.times.finished = now
+                    self.scheduler.finish_request(request.request_id, status)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the others down
+                logger.exception("update of %s failed", request.request_id)
+                failures.append((request, "updating", exc))
+        return appended, total_accepted
+
+    def _append(self, request: Request, token: int, logprobs: TokenLogprobs | None, now: int,
+                pending: dict[str, _Pending]) -> RequestStatus | None:
+        """Append one token and run the stop checks; the status it ends the request with, if any."""
         params = request.sampling_params
         request.append_output_token(token)
         request.times.record_token(now)
@@ -327,9 +386,7 @@ class EngineCore:
             status = RequestStatus.FINISHED_LENGTH
         elif request.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
-        if status is not None:
-            request.times.finished = now
-            self.scheduler.finish_request(request.request_id, status)
+        return status
 
     def _touch(self, pending: dict[str, _Pending], request: Request) -> CoreOutput:
         entry = pending.get(request.request_id)

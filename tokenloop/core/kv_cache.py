@@ -485,6 +485,13 @@ class KVCacheManager:
             self._publish_full_blocks(request, table, min(total_tokens, request.num_tokens))
         return new_blocks
 
+    def publish_computed(self, request: Request) -> None:
+        """Publish the full blocks among the request's computed tokens not yet offered to the index (a
+        speculative step's accepted drafts: allocation saw them only as drafts, which are never hashed)."""
+        table = self._tables.get(request.request_id)
+        if table is not None and self.enable_caching:
+            self._publish_full_blocks(request, table, min(request.num_computed_tokens, request.num_tokens))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. after new weights); False, changing nothing, while any
         request holds blocks. Counters are kept: clearing is not eviction."""
@@ -574,6 +581,13 @@ class KVCacheManager:
     def num_blocks_held(self, request_id: str) -> int:
         table = self._tables.get(request_id)
         return len(table) if table is not None else 0
+
+    def num_slots_without_eviction(self, request_id: str) -> int:
+        """Token slots the request's table can reach taking only free blocks that hold no cached prefix
+        (the free queue keeps those at its front, so `allocate` takes them first)."""
+        table = self._tables.get(request_id)
+        num_held = len(table) if table is not None else 0
+        return (num_held + self.pool.num_free - self.pool.num_cached_free) * self.block_size
 
     def holds_blocks(self, request_id: str) -> bool:
         return request_id in self._tables

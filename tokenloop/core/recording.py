@@ -34,8 +34,9 @@ def gauges(scheduler: Scheduler, kv: KVCacheManager) -> StepGauges:
 
 def step_record(index: int, times: Sequence[int], schedule: SchedulerOutput, result: RunnerOutput | None,
                 sampled: Sequence[tuple[Request, int, object]], releases: list[ReleaseInfo],
-                gauges: StepGauges) -> StepRecord:
-    """`times`: start, schedule end, execute end, sample end, end (engine-clock ns)."""
+                gauges: StepGauges, num_accepted_tokens: int = 0) -> StepRecord:
+    """`times`: start, schedule end, execute end, sample end, end (engine-clock ns); `sampled`: the tokens
+    appended (a speculative row's accepted drafts and next token included)."""
     start, schedule_end, execute_end, sample_end, end = times
     chunks = [ScheduledChunk(item.request_id, item.num_computed_tokens, item.num_tokens,
                              item.request.num_prompt_tokens, item.samples, item.new_block_ids,
@@ -46,4 +47,6 @@ def step_record(index: int, times: Sequence[int], schedule: SchedulerOutput, res
         int(result.forward_s * 1e9) if result is not None else 0, sum(r.end_ns - r.start_ns for r in releases),
         schedule.num_batched_tokens, chunks, [r.request_id for r in schedule.preempted],
         [r.request_id for r, _, _ in sampled], [t for _, t, _ in sampled], releases, gauges,
-        result.weight_form if result is not None else "")
+        result.weight_form if result is not None else "",
+        num_draft_tokens=schedule.num_draft_tokens if result is not None else 0,
+        num_accepted_tokens=num_accepted_tokens)

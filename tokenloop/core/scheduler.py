@@ -6,18 +6,23 @@ prompt is computed in chunks over several steps while other requests keep decodi
 served first, in policy order, then waiting ones are admitted in policy order. A running request that
 cannot get blocks preempts (by recompute) the running request the policy ranks last; a waiting request
 never preempts anyone: when it does not fit, admission stops for the step.
+
+With speculative decoding on, a decoding request may also get draft tokens (`draft_token_ids`) from
+the budget and free blocks left after everyone's real tokens: drafts never preempt, never delay an
+admission, and never count as computed until `accept_drafts` says the model agreed with them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tokenloop.config import SchedulerConfig
 from tokenloop.core.kv_cache import BlockRelease, KVCacheManager
 from tokenloop.core.policy import Policy, WaitingQueue, make_policy
+from tokenloop.core.speculative import DraftProposer
 from tokenloop.errors import CapacityError, InvalidRequestError
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
 
@@ -42,6 +47,9 @@ class ScheduledRequest:
     admitted: bool = False  # first allocation since it held no blocks (admitted or resumed)
     num_reused_blocks: int = 0
     prefix_hit_tokens: int = 0
+    # Speculative tokens after the request's last one, counted in num_tokens (their K/V slots are allocated);
+    # only a decoding row (one real token, samples) gets them.
+    draft_token_ids: Sequence[int] = ()
 
     @property
     def request_id(self) -> str:
@@ -60,6 +68,7 @@ class SchedulerOutput:
     # runner keeping persistent tables drops their rows before this step's diffs are applied.
     released_request_ids: list[str] = field(default_factory=list)
     kv_ns: int = 0  # time spent in KV lookups and allocations inside schedule()
+    num_draft_tokens: int = 0  # speculative tokens among num_batched_tokens
 
     @property
     def is_empty(self) -> bool:
@@ -95,6 +104,7 @@ class Scheduler:
         max_model_len: int,
         clock: Clock = default_clock,
         policy: Policy | None = None,
+        proposer: DraftProposer | None = None,
     ) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
@@ -104,6 +114,7 @@ class Scheduler:
         self.clock = clock
         self.policy: Policy = (policy if policy is not None
                                else make_policy(config.policy, config, max_model_len=max_model_len))
+        self.proposer = proposer  # speculative decoding's drafts; None: off
         # Dicts keyed by request id: O(1) removal, and iteration in insertion order.
         self._running: dict[str, Request] = {}
         self._waiting: dict[str, Request] = {}
@@ -402,10 +413,62 @@ class Scheduler:
                 except Exception:  # noqa: BLE001 - logged and turned into this request's error
                     self._fail_request(request, "admitting", output)
 
+        # Drafts only from what is left over: none in a step that preempted, nor while a waiting request
+        # is held back for want of blocks (the free blocks are its).
+        if (self.proposer is not None and budget > 0 and not output.preempted
+                and (not self._waiting or len(self._running) >= self.config.max_num_seqs)):
+            output.num_draft_tokens, draft_kv_ns = self._add_drafts(output.scheduled, budget)
+            budget -= output.num_draft_tokens
+            kv_ns += draft_kv_ns
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget
         output.kv_ns = kv_ns
         output.released_request_ids, self._released_ids = self._released_ids, []
         return output
+
+    def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> tuple[int, int]:
+        """Give decoding rows their proposals, within `budget` and the free blocks; (drafts added, KV ns)."""
+        assert self.proposer is not None
+        kv = self.kv_cache
+        timer = time.perf_counter_ns
+        used = kv_ns = 0
+        for item in scheduled:
+            if used >= budget:
+                break
+            request = item.request
+            if item.num_tokens != 1 or not item.samples or item.admitted:
+                continue
+            # No draft past the request's last possible K/V slot (max_tokens, max_model_len), nor in a block
+            # that would evict a cached prefix.
+            room = min(budget - used, self.max_kv_tokens(request) - request.num_tokens,
+                       kv.num_slots_without_eviction(request.request_id) - request.num_tokens)
+            try:
+                drafts = self.proposer.propose(request, room)
+                if not drafts:
+                    continue
+                begin = timer()
+                new_blocks = kv.allocate(request, 1 + len(drafts))  # the real token's blocks are held already
+                kv_ns += timer() - begin
+            except Exception:  # noqa: BLE001 - drafts are optional: this row decodes one token
+                logger.exception("proposing drafts for request %s failed", request.request_id)
+                continue
+            if new_blocks is None:
+                continue  # cannot happen (room counts free blocks); drafts never preempt anyone
+            item.draft_token_ids = drafts
+            item.num_tokens += len(drafts)
+            item.new_block_ids.extend(block.block_id for block in new_blocks)
+            item.num_blocks = kv.num_blocks_held(request.request_id)
+            used += len(drafts)
+        return used, kv_ns
+
+    def accept_drafts(self, item: ScheduledRequest, num_accepted: int) -> None:
+        """After verification, with the accepted drafts appended to the request: their K/V count as computed
+        and full blocks of them are published. Rejected drafts' slots are simply overwritten later; blocks
+        taken only for them stay in the table for the tokens to come."""
+        request = item.request
+        if (request.request_id in self._running
+                and request.num_computed_tokens == item.num_computed_tokens + 1 and num_accepted > 0):
+            request.num_computed_tokens += num_accepted
+            self.kv_cache.publish_computed(request)
 
     # ---- fault isolation -----------------------------------------------------------------------------
 
@@ -477,4 +540,5 @@ class Scheduler:
         for item in output.scheduled:
             request = item.request
             if request.request_id in self._running and request.num_computed_tokens == item.num_computed_tokens:
-                request.num_computed_tokens += item.num_tokens
+                # Drafts count once verified (accept_drafts).
+                request.num_computed_tokens += item.num_tokens - len(item.draft_token_ids)

@@ -68,6 +68,8 @@ class _ReplicaSeries:
         self.queries, self.hits = m.prefix_cache_queries.labels(*labels), m.prefix_cache_hits.labels(*labels)
         self.preemptions = m.num_preemptions.labels(*labels)
         self.generation_tokens = m.generation_tokens.labels(*labels)
+        self.draft_tokens = m.spec_decode_num_draft_tokens.labels(*labels)
+        self.accepted_tokens = m.spec_decode_num_accepted_tokens.labels(*labels)
         self.iteration_tokens = m.iteration_tokens.labels(*labels)
         self.last = _Cumulative()
         self.now = LiveState()  # the gauges between steps (an abort on an idle engine takes no step)
@@ -110,6 +112,10 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens",
                                      "Prompt tokens of requests that produced a first token.", per_replica=False)
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens",
+                                                    "Speculative draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                                       "Speculative draft tokens the model agreed with.")
         self.request_success = counter("request_success", "Requests that ended, by finish reason.",
                                        extra=["finished_reason"], per_replica=False)
         self.handoffs = counter("handoffs", "Request handoffs between replicas, by outcome.",
@@ -162,6 +168,9 @@ class EngineMetrics:
             series.iteration_tokens.observe(record.num_batched_tokens)
         if record.sampled_tokens:
             series.generation_tokens.inc(len(record.sampled_tokens))
+        if record.num_draft_tokens:
+            series.draft_tokens.inc(record.num_draft_tokens)
+            series.accepted_tokens.inc(record.num_accepted_tokens)
 
     def on_release(self, records: list[ReleaseInfo]) -> None:
         """Requests that ended between steps: their queue slots and blocks are free now."""

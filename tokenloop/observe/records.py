@@ -113,6 +113,9 @@ class StepRecord:
     gauges: StepGauges
     weight_form: str = ""  # the form the projections ran in (int4, bfloat16, ...)
     replica: int = 0  # which engine replica of a cluster (set by the front door's replica set)
+    # Speculative decoding: draft tokens verified this step, and how many of them the model agreed with.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_scheduled(self) -> int:
