@@ -82,9 +82,10 @@ def run_simulate(args: argparse.Namespace) -> int:
 def _list_profiles() -> int:
     from tokenloop.sim.profiles import load_profile, shipped_profiles
 
+    print(f"{'profile':24} {'model':28} {'TP':>2}  hardware")
     for name in shipped_profiles():
         profile = load_profile(name)
-        print(f"{name:24} {profile.model:28} {profile.hardware}")
+        print(f"{name:24} {profile.model:28} {profile.tensor_parallel:>2}  {profile.hardware}")
     return 0
 
 

@@ -34,6 +34,7 @@ class Profile:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # the KV pool the machine holds (None: the engine default)
     power_watts: float | None = None  # board power while busy, for energy = power x modelled time
+    tensor_parallel: int = 1  # devices one engine spans (a datasheet profile states the degree it assumes)
     source: str = ""
     sources: dict[str, str] = field(default_factory=dict)
     path: str = ""
@@ -43,7 +44,7 @@ class Profile:
         where = path or "profile"
         try:
             cost = data["cost"]
-            model = StepCostModel.from_dict(cost["coefficients"], cost.get("combine", "sum"))
+            model = StepCostModel.from_dict(cost["coefficients"], cost.get("combine", "sum"), cost.get("overheads"))
             return cls(name=str(data["name"]), model=str(data["model"]), hardware=str(data["hardware"]),
                        cost_model=model, max_model_len=int(data["max_model_len"]),
                        kv_bytes_per_token=int(data["kv_bytes_per_token"]),
@@ -52,6 +53,7 @@ class Profile:
                                               if data.get("kv_cache_memory_bytes") is not None else None),
                        power_watts=(float(data["power_watts"]) if data.get("power_watts") is not None
                                     else None),
+                       tensor_parallel=int(data.get("tensor_parallel", 1)),
                        source=str(data.get("source", "")), sources=dict(data.get("sources", {})), path=path)
         except KeyError as exc:
             raise ProfileError(f"{where}: missing field {exc.args[0]!r}") from None
