@@ -99,6 +99,7 @@ def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], 
     from tokenloop.bench.replay import SIMULATED_CLOCK, replay_engine
     from tokenloop.bench.report import summarize_run
     from tokenloop.llm import build_engine_config
+    from tokenloop.sim.energy import StepEnergy, attach_energy, energy_summary
     from tokenloop.sim.engine import SimulatedEngine
 
     options, vocab_size = _profile_options(profile, options, trace)
@@ -109,18 +110,23 @@ def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], 
     for policy in policies:
         engine_config = build_engine_config(profile.model, policy=policy, **options)
         built: list[SimulatedEngine] = []
+        energy = StepEnergy(profile.power_watts) if profile.power_watts is not None else None
 
-        def make_engine(clock: Any, engine_config: Any = engine_config,
-                        built: list[SimulatedEngine] = built) -> SimulatedEngine:
+        def make_engine(clock: Any, engine_config: Any = engine_config, built: list[SimulatedEngine] = built,
+                        energy: StepEnergy | None = energy) -> SimulatedEngine:
             built.append(SimulatedEngine(engine_config, profile.cost_model, clock, vocab_size=vocab_size,
                                          max_model_len=profile.max_model_len,
-                                         kv_bytes_per_token=profile.kv_bytes_per_token))
+                                         kv_bytes_per_token=profile.kv_bytes_per_token,
+                                         observers=[energy] if energy is not None else ()))
             return built[-1]
 
         run = replay_engine(trace, make_engine, label=policy, clock_mode=SIMULATED_CLOCK,
                             time_scale=time_scale, progress=progress)
+        attach_energy(run.records, energy)
         run.settings.update(profile=profile.name, **_run_costs([built[-1].runner], profile,
                                                                sum(r.output_len for r in run.records)))
+        if energy is not None:
+            run.settings["energy_per_request"] = energy_summary(run.records)
         runs.append(run)
     return PolicyBenchResult(runs, [summarize_run(run, slos_ms or None) for run in runs]), config
 
@@ -154,6 +160,27 @@ def _run_costs(runners: Sequence[Any], profile: Any, num_output_tokens: int) -> 
         costs["energy_j"] = joules
         costs["energy_j_per_output_token"] = joules / num_output_tokens if num_output_tokens else None
     return costs
+
+
+def energy_table(runs: Sequence[Any]) -> str | None:
+    """Energy per run and per request (the profile's power x modelled time); None without a power."""
+    from tokenloop.bench.report import _fmt, format_rows
+
+    summaries = [run.settings.get("energy_per_request") for run in runs]
+    if not any(summaries):
+        return None
+
+    def cells(key: str, scale: float = 1.0) -> list[str]:
+        return [_fmt(None if s is None or s.get(key) is None else s[key] * scale) for s in summaries]
+
+    rows = [("Energy, all requests (kJ)", cells("total_j", 1e-3)),
+            ("Energy per output token (J)", cells("j_per_output_token")),
+            ("Energy per request: mean (J)", cells("mean_j")),
+            ("Energy per request: p50 / p90 (J)",
+             [f"{p50} / {p90}" for p50, p90 in zip(cells("p50_j"), cells("p90_j"))]),
+            ("Energy per request: max (J)", cells("max_j"))]
+    return format_rows("Energy (busy power x modelled step time; each step shared by its requests' tokens)",
+                       [run.label for run in runs], rows)
 
 
 def _tokenized(trace: list[Any], model: str) -> list[Any]:
@@ -209,6 +236,9 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"simulated {len(trace)} requests x {len(policies)} policies on profile {profile.name} "
               f"({profile.hardware}) in {time.perf_counter() - began:.1f} s")
         print(result.table(with_goodput=bool(slos)))
+    energy = energy_table(result.runs)
+    if energy:
+        print(energy)
     write_result_outputs(result, config, args)
     return 0
 
