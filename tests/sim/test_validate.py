@@ -50,7 +50,9 @@ def test_validate_runs_real_and_simulated_and_reports_every_metric(tmp_path: Pat
     assert markdown.read_text().count("\n| ") == 2 + 4 * len(METRICS)  # header, rule, rows
 
 
-def test_bad_validate_options_are_errors(tiny_model_dir: Path, capsys) -> None:
+def test_bad_validate_options_are_errors(tiny_model_dir: Path, capsys, caplog) -> None:
     assert main(["simulate", "validate", "--model", str(tiny_model_dir), "--workloads", "nope"]) == 2
     assert "unknown workload 'nope'" in capsys.readouterr().err
     assert main(["simulate", "validate", "--loads", "0.5,x"]) == 2
+    assert main(["simulate", "validate", "--profile", "h100-llama3-8b", "--model", str(tiny_model_dir)]) == 2
+    assert "made for model 'meta-llama/Meta-Llama-3-8B'" in caplog.text  # both named, before any run

@@ -219,7 +219,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from tokenloop.bench.trace import load_trace
 
     if not args.trace:
-        print("error: simulate needs --trace (or the action `profiles` / `calibrate`)", file=sys.stderr)
+        print("error: simulate needs --trace (or the action `profiles`, `calibrate` or `validate`)", file=sys.stderr)
         return 2
     from tokenloop.cli.simulate_cluster import cluster_table, parse_routers, simulate_cluster
 
