@@ -304,7 +304,20 @@ def format_text(document: dict[str, Any]) -> str:
     out = [_headline(document), "", line, "-" * len(line)]
     out += ["  ".join(f"{c:<{w}}" for c, w in zip(row, widths)) for row in rows]
     out += ["", f"{document['passed']} of {document['compared']} comparisons pass; goal: {document['goal']}"]
+    out += _warnings(document)
     return "\n".join(out)
+
+
+def _warnings(document: dict[str, Any]) -> list[str]:
+    """Cells where requests failed (refused by the KV pool, errors): their metrics cover the rest only."""
+    lines = []
+    for cell in document["cells"]:
+        failed = cell["failed_requests"]
+        if failed["simulated"] or any(failed["real"]):
+            lines.append(f"warning: {cell['workload']} at {cell['load']:g}x: failed requests simulated "
+                         f"{failed['simulated']:g}, real {[int(f) for f in failed['real']]} (metrics cover the "
+                         "completed ones; a larger --num-kv-blocks or shorter prompts avoid refusals)")
+    return lines
 
 
 def format_markdown(document: dict[str, Any]) -> str:
@@ -312,6 +325,7 @@ def format_markdown(document: dict[str, Any]) -> str:
     out = [_headline(document), "", "| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
     out += ["", f"{document['passed']} of {document['compared']} comparisons pass; goal: {document['goal']}."]
+    out += ["", *_warnings(document)] if _warnings(document) else []
     return "\n".join(out) + "\n"
 
 
