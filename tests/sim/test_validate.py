@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tokenloop.cli.main import main
-from tokenloop.sim.validate import METRICS, compare
+from tokenloop.cli.simulate_validate import METRICS, compare
 
 SWEEP = ["--batches", "1,3", "--contexts", "8,40", "--decode-tokens", "4"]
 

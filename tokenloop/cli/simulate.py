@@ -5,7 +5,7 @@
     tokenloop simulate --trace trace.jsonl             # this machine's calibrated profile of the default model
     tokenloop simulate profiles
     tokenloop simulate calibrate                       # fit this machine's profile from a real sweep, cache it
-    tokenloop simulate validate --save-result v.json   # simulated vs real on the same traces (validate.py)
+    tokenloop simulate validate --save-result v.json   # simulated vs real on the same traces (simulate_validate.py)
 
 Without --profile, `simulate` uses the calibrated profile of --model (default: the default model) on the
 machine it runs on, from the cache (~/.cache/tokenloop/profiles/, or $TOKENLOOP_CACHE_DIR/profiles/),
@@ -79,7 +79,7 @@ def add_simulate_subparser(subparsers: Any) -> argparse.ArgumentParser:
     calibrate.add_argument("--decode-tokens", type=positive_int, default=12,
                            help="tokens each sweep request generates (default: %(default)s)")
     calibrate.add_argument("--out", help="calibrate: also write the profile to this file (it is always cached)")
-    from tokenloop.sim.validate import add_validate_args
+    from tokenloop.cli.simulate_validate import add_validate_args
 
     add_validate_args(parser)
     parser.set_defaults(func=run_simulate)
@@ -92,7 +92,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         return _calibrate(args)
     if args.action == "validate":
-        from tokenloop.sim.validate import run_validate
+        from tokenloop.cli.simulate_validate import run_validate
 
         return run_validate(args)
     return _simulate(args)
