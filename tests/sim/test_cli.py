@@ -59,7 +59,8 @@ def test_a_malformed_trace_line_names_the_file_line_and_field(tmp_path: Path, ca
     assert f"{trace} line 11, field 'max_tokens'" in caplog.text
 
 
-@pytest.mark.parametrize("argv", [["simulate"], ["simulate", "calibrate"]])
+@pytest.mark.parametrize("argv", [["simulate"], ["simulate", "calibrate", "--batches", "0"],
+                                  ["simulate", "calibrate", "--contexts", "a,b"]])
 def test_missing_arguments_are_errors(argv: list[str]) -> None:
     assert main(argv) == 2
 

@@ -81,3 +81,17 @@ def test_a_broken_profile_file_names_the_field(tmp_path) -> None:
     path.write_text('{"name": "bad", "model": "m", "hardware": "h", "max_model_len": 8}')
     with pytest.raises(ProfileError, match="missing field 'cost'"):
         load_profile(str(path))
+
+
+def test_overheads_add_outside_the_roofline_and_unknown_ones_are_refused() -> None:
+    features = StepFeatures(step=1, tokens=10, kv_read_tokens=100)
+    base = StepCostModel(step=1e-3, tokens=2e-4, kv_read_tokens=1e-6, combine="max")
+    with_overheads = StepCostModel.from_dict(base.as_dict(), "max", {"step": 5e-4, "tokens": 1e-5})
+    # max(1e-3 + 1e-4, 2e-3) + 5e-4 + 10 x 1e-5
+    assert with_overheads.step_seconds(features) == pytest.approx(2e-3 + 5e-4 + 1e-4)
+    assert with_overheads.step_seconds(features) - base.step_seconds(features) == pytest.approx(6e-4)
+    assert with_overheads.critical_path(features) == "compute"  # overheads do not move the roofline
+    with pytest.raises(ValueError, match="unknown overhead 'seqs'"):
+        StepCostModel.from_dict(base.as_dict(), "max", {"seqs": 1.0})
+    with pytest.raises(ValueError, match="overhead_step"):
+        StepCostModel(step=1e-3, overhead_step=-1.0)

@@ -112,6 +112,7 @@ class ReplayRecord:
     num_preemptions: int = 0
     finish_reason: str | None = None
     error: str = ""
+    energy_j: float | None = None  # simulated runs with a powered profile: its share of the steps' energy
 
     @property
     def success(self) -> bool:

@@ -2,8 +2,15 @@
 
     tokenloop simulate --trace trace.jsonl --profile h100-llama3-8b --policies fcfs,sjf --report sim.html
     tokenloop simulate --trace trace.jsonl --profile h100-llama3-8b --replicas 8 --router round-robin,cost
+    tokenloop simulate --trace trace.jsonl             # this machine's calibrated profile of the default model
     tokenloop simulate profiles
-    tokenloop simulate calibrate --out my-cpu.json     # fit this machine's profile from a real sweep
+    tokenloop simulate calibrate                       # fit this machine's profile from a real sweep, cache it
+    tokenloop simulate validate --save-result v.json   # simulated vs real on the same traces (simulate_validate.py)
+
+Without --profile, `simulate` uses the calibrated profile of --model (default: the default model) on the
+machine it runs on, from the cache (~/.cache/tokenloop/profiles/, or $TOKENLOOP_CACHE_DIR/profiles/),
+calibrating once and caching it if none exists. The cache is keyed by machine (CPU model and core count),
+model, dtype and block size.
 
 The table, the HTML report and the `--save-result` JSON are `bench policies`' own, so a run here and a
 simulated run read side by side. Each request produces exactly its `max_tokens` tokens, as in `bench
@@ -32,19 +39,21 @@ from tokenloop.cli.options import positive_int
 from tokenloop.config import SCHEDULING_POLICIES
 from tokenloop.model.loader import DEFAULT_MODEL
 
-DEFAULT_PROFILE = "cpu-smollm2-135m"
+ACTIONS = ("run", "profiles", "calibrate", "validate")
 
 
 def add_simulate_subparser(subparsers: Any) -> argparse.ArgumentParser:
     """Add `simulate` to a `parser.add_subparsers()` object; the command runs `args.func(args)`."""
     parser = subparsers.add_parser("simulate", help="replay a trace on a simulated engine (a cost profile)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", nargs="?", choices=("run", "profiles", "calibrate"), default="run",
+    parser.add_argument("action", nargs="?", choices=ACTIONS, default="run",
                         help="run (default): simulate --trace; profiles: list the shipped profiles; "
-                             "calibrate: fit a profile of this machine from a real sweep")
+                             "calibrate: fit a profile of this machine from a real sweep and cache it; "
+                             "validate: simulated vs real runs of the same traces")
     parser.add_argument("--trace", help="the JSONL trace to replay")
-    parser.add_argument("--profile", default=DEFAULT_PROFILE,
-                        help="a shipped profile's name or a profile .json (default: %(default)s)")
+    parser.add_argument("--profile",
+                        help="a shipped profile's name or a profile .json (default: this machine's calibrated "
+                             "profile of --model, calibrated and cached if there is none)")
     parser.add_argument("--policies",
                         help=f"comma-separated policies to compare (default: {','.join(SCHEDULING_POLICIES)}; "
                              "fcfs with --replicas)")
@@ -60,13 +69,19 @@ def add_simulate_subparser(subparsers: Any) -> argparse.ArgumentParser:
     add_replay_engine_args(engine, "KV-cache size in blocks (default: the profile's KV memory)",
                            "default: the profile's")
     add_result_args(parser)
-    calibrate = parser.add_argument_group("calibrate")
-    calibrate.add_argument("--model", default=DEFAULT_MODEL, help="model to calibrate (default: %(default)s)")
+    calibrate = parser.add_argument_group("calibrate (and the default profile)")
+    calibrate.add_argument("--model", help=f"the model calibrated (default: {DEFAULT_MODEL}); with --profile, "
+                                           "the profile must be for it")
+    calibrate.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                           help="the engine dtype calibrated (default: %(default)s)")
     calibrate.add_argument("--batches", default="1,4,16", help="sweep batch sizes (default: %(default)s)")
     calibrate.add_argument("--contexts", default="32,256", help="sweep prompt lengths (default: %(default)s)")
     calibrate.add_argument("--decode-tokens", type=positive_int, default=12,
                            help="tokens each sweep request generates (default: %(default)s)")
-    calibrate.add_argument("--out", help="calibrate: the profile file to write")
+    calibrate.add_argument("--out", help="calibrate: also write the profile to this file (it is always cached)")
+    from tokenloop.cli.simulate_validate import add_validate_args
+
+    add_validate_args(parser)
     parser.set_defaults(func=run_simulate)
     return parser
 
@@ -76,15 +91,20 @@ def run_simulate(args: argparse.Namespace) -> int:
         return _list_profiles()
     if args.action == "calibrate":
         return _calibrate(args)
+    if args.action == "validate":
+        from tokenloop.cli.simulate_validate import run_validate
+
+        return run_validate(args)
     return _simulate(args)
 
 
 def _list_profiles() -> int:
     from tokenloop.sim.profiles import load_profile, shipped_profiles
 
+    print(f"{'profile':24} {'model':28} {'TP':>2}  hardware")
     for name in shipped_profiles():
         profile = load_profile(name)
-        print(f"{name:24} {profile.model:28} {profile.hardware}")
+        print(f"{name:24} {profile.model:28} {profile.tensor_parallel:>2}  {profile.hardware}")
     return 0
 
 
@@ -98,6 +118,7 @@ def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], 
     from tokenloop.bench.replay import SIMULATED_CLOCK, replay_engine
     from tokenloop.bench.report import summarize_run
     from tokenloop.llm import build_engine_config
+    from tokenloop.sim.energy import StepEnergy, attach_energy, energy_summary
     from tokenloop.sim.engine import SimulatedEngine
 
     options, vocab_size = _profile_options(profile, options, trace)
@@ -108,30 +129,33 @@ def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], 
     for policy in policies:
         engine_config = build_engine_config(profile.model, policy=policy, **options)
         built: list[SimulatedEngine] = []
+        energy = StepEnergy(profile.power_watts) if profile.power_watts is not None else None
 
-        def make_engine(clock: Any, engine_config: Any = engine_config,
-                        built: list[SimulatedEngine] = built) -> SimulatedEngine:
+        def make_engine(clock: Any, engine_config: Any = engine_config, built: list[SimulatedEngine] = built,
+                        energy: StepEnergy | None = energy) -> SimulatedEngine:
             built.append(SimulatedEngine(engine_config, profile.cost_model, clock, vocab_size=vocab_size,
                                          max_model_len=profile.max_model_len,
-                                         kv_bytes_per_token=profile.kv_bytes_per_token))
+                                         kv_bytes_per_token=profile.kv_bytes_per_token,
+                                         observers=[energy] if energy is not None else ()))
             return built[-1]
 
         run = replay_engine(trace, make_engine, label=policy, clock_mode=SIMULATED_CLOCK,
                             time_scale=time_scale, progress=progress)
+        attach_energy(run.records, energy)
         run.settings.update(profile=profile.name, **_run_costs([built[-1].runner], profile,
                                                                sum(r.output_len for r in run.records)))
+        if energy is not None:
+            run.settings["energy_per_request"] = energy_summary(run.records)
         runs.append(run)
     return PolicyBenchResult(runs, [summarize_run(run, slos_ms or None) for run in runs]), config
 
 
 def _profile_options(profile: Any, options: dict[str, Any], trace: Sequence[Any]) -> tuple[dict[str, Any], int]:
     """The engine options completed from the profile, and the simulated vocabulary the trace needs."""
-    from tokenloop.sim.profiles import ProfileError
+    from tokenloop.sim.profiles import check_profile_fits
 
-    if options.get("block_size", profile.block_size) != profile.block_size:
-        # Step costs were measured (or derived) with the profile's blocks; another size is another engine.
-        raise ProfileError(f"profile {profile.name!r} is for block size {profile.block_size}, not "
-                           f"{options['block_size']}")
+    # Step costs were measured (or derived) with the profile's blocks; another size is another engine.
+    check_profile_fits(profile, block_size=options.get("block_size"))
     options = {"block_size": profile.block_size, **options}
     if "num_blocks" not in options and profile.kv_cache_memory_bytes:
         options["kv_cache_memory_bytes"] = profile.kv_cache_memory_bytes
@@ -155,6 +179,27 @@ def _run_costs(runners: Sequence[Any], profile: Any, num_output_tokens: int) -> 
     return costs
 
 
+def energy_table(runs: Sequence[Any]) -> str | None:
+    """Energy per run and per request (the profile's power x modelled time); None without a power."""
+    from tokenloop.bench.report import _fmt, format_rows
+
+    summaries = [run.settings.get("energy_per_request") for run in runs]
+    if not any(summaries):
+        return None
+
+    def cells(key: str, scale: float = 1.0) -> list[str]:
+        return [_fmt(None if s is None or s.get(key) is None else s[key] * scale) for s in summaries]
+
+    rows = [("Energy, all requests (kJ)", cells("total_j", 1e-3)),
+            ("Energy per output token (J)", cells("j_per_output_token")),
+            ("Energy per request: mean (J)", cells("mean_j")),
+            ("Energy per request: p50 / p90 (J)",
+             [f"{p50} / {p90}" for p50, p90 in zip(cells("p50_j"), cells("p90_j"))]),
+            ("Energy per request: max (J)", cells("max_j"))]
+    return format_rows("Energy (busy power x modelled step time; each step shared by its requests' tokens)",
+                       [run.label for run in runs], rows)
+
+
 def _tokenized(trace: list[Any], model: str) -> list[Any]:
     """Text prompts as token ids, by the profile's model's tokenizer (the simulator sees only ids)."""
     if all(r.prompt_tokens is not None for r in trace):
@@ -172,10 +217,9 @@ def _simulate(args: argparse.Namespace) -> int:
     from tokenloop.bench.policies import parse_policies
     from tokenloop.bench.report import format_table
     from tokenloop.bench.trace import load_trace
-    from tokenloop.sim.profiles import load_profile
 
     if not args.trace:
-        print("error: simulate needs --trace (or the action `profiles` / `calibrate`)", file=sys.stderr)
+        print("error: simulate needs --trace (or the action `profiles`, `calibrate` or `validate`)", file=sys.stderr)
         return 2
     from tokenloop.cli.simulate_cluster import cluster_table, parse_routers, simulate_cluster
 
@@ -189,8 +233,15 @@ def _simulate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    profile = load_profile(args.profile)  # ProfileError (a TokenloopError): main prints it, exit 2
     trace = load_trace(args.trace)  # TraceFormatError names the file, line and field
+    try:
+        batches, contexts = _int_list(args.batches, "batches"), _int_list(args.contexts, "contexts")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # ProfileError (a TokenloopError): main prints it, exit 2
+    profile = resolve_profile(args.profile, args.model, args.dtype, args.block_size,
+                              Sweep(batches, contexts, args.decode_tokens, args.seed))
     if args.max_requests:
         trace = trace[:args.max_requests]
     trace = _tokenized(trace, profile.model)
@@ -208,6 +259,9 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"simulated {len(trace)} requests x {len(policies)} policies on profile {profile.name} "
               f"({profile.hardware}) in {time.perf_counter() - began:.1f} s")
         print(result.table(with_goodput=bool(slos)))
+    energy = energy_table(result.runs)
+    if energy:
+        print(energy)
     write_result_outputs(result, config, args)
     return 0
 
@@ -225,7 +279,7 @@ def _int_list(text: str, name: str) -> list[int]:
 
 
 def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[int], decode_tokens: int,
-                        seed: int = 0) -> tuple[list[Any], Any]:
+                        seed: int = 0, dtype: str = "auto", block_size: int | None = None) -> tuple[list[Any], Any]:
     """Run the real engine over batch x context (prefix caching off) and keep every step's record."""
     from tokenloop.engine import LLMEngine
     from tokenloop.llm import build_engine_config
@@ -239,7 +293,8 @@ def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[i
             records.append(record)
 
     config = build_engine_config(model, enable_prefix_caching=False, max_num_seqs=max(batches),
-                                 max_num_batched_tokens=max(512, max(contexts)), seed=seed)
+                                 max_num_batched_tokens=max(512, max(contexts)), seed=seed, dtype=dtype,
+                                 **({"block_size": block_size} if block_size else {}))
     engine = LLMEngine(config, observers=[Keep()])
     rng = random.Random(seed)
     high = min(1000, engine.core.vocab_size)  # ids any vocabulary holds; no special meaning to them
@@ -258,50 +313,95 @@ def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[i
     return records, engine
 
 
-def _calibrate(args: argparse.Namespace) -> int:
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """A calibration sweep: every batch size x prompt length, each request generating `decode_tokens`."""
+
+    batches: Sequence[int] = (1, 4, 16)
+    contexts: Sequence[int] = (32, 256)
+    decode_tokens: int = 12
+    seed: int = 0
+
+    def command(self, model: str, dtype: str, block_size: int, out: str | None = None) -> str:
+        words = ["tokenloop", "simulate", "calibrate", "--model", model, "--dtype", dtype, "--block-size",
+                 str(block_size), "--batches", ",".join(map(str, self.batches)), "--contexts",
+                 ",".join(map(str, self.contexts)), "--decode-tokens", str(self.decode_tokens)]
+        return " ".join(words + (["--out", out] if out else []))
+
+
+def calibrate_profile(key: Any, sweep: Sweep, name: str, out: str | None = None) -> dict[str, Any]:
+    """Fit this machine's profile for `key` (a CalibrationKey) from a real sweep; the profile document."""
     from tokenloop.sim.cost import fit
 
-    if not args.out:
-        print("error: calibrate needs --out FILE", file=sys.stderr)
-        return 2
-    try:
-        batches, contexts = _int_list(args.batches, "batches"), _int_list(args.contexts, "contexts")
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    records, engine = calibration_records(args.model, batches, contexts, args.decode_tokens, args.seed)
+    records, engine = calibration_records(key.model, sweep.batches, sweep.contexts, sweep.decode_tokens,
+                                          sweep.seed, key.dtype, key.block_size)
     report = fit(records)
-    kv_bytes_per_token = engine.model.kv_bytes_per_block(1)
-    command = " ".join(["tokenloop", "simulate", "calibrate", "--model", args.model, "--batches",
-                        args.batches, "--contexts", args.contexts, "--decode-tokens", str(args.decode_tokens),
-                        "--out", args.out])
-    profile = {
-        "name": Path(args.out).stem, "model": args.model,
-        "hardware": f"this machine ({_cpu_name()}), {engine.dtype_choice.describe()}",
-        "max_model_len": engine.max_model_len, "kv_bytes_per_token": kv_bytes_per_token,
+    return {
+        "name": name, "model": key.model,
+        "hardware": f"this machine ({key.machine}), {engine.dtype_choice.describe()}",
+        "max_model_len": engine.max_model_len, "kv_bytes_per_token": engine.model.kv_bytes_per_block(1),
         "block_size": engine.kv_cache.block_size,
         "cost": {"combine": "sum", "coefficients": report.model.as_dict()},
-        "source": command,
+        "source": sweep.command(key.model, key.dtype, key.block_size, out),
         "sources": {"coefficients": f"NNLS fit (relative errors) of step durations (end - start) over "
                                     f"{report.num_steps} of {report.num_records} real steps, the others "
                                     f"trimmed as outliers; median |relative error| "
                                     f"{report.median_abs_rel_error:.3f}, mean step "
                                     f"{report.mean_step_s * 1e3:.1f} ms; measured "
-                                    f"{time.strftime('%Y-%m-%d', time.gmtime())}",
+                                    f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
                     "kv_bytes_per_token": "the loaded model's KV layout (layers x KV heads x head dim x "
                                           "dtype)"},
+        "fit": {"num_steps": report.num_steps, "num_records": report.num_records,
+                "median_abs_rel_error": report.median_abs_rel_error, "mean_step_s": report.mean_step_s},
     }
-    Path(args.out).write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
-    print(f"fitted {report.num_steps} steps: {report.model.as_dict()}; median |rel err| "
-          f"{report.median_abs_rel_error:.3f}; wrote {args.out}")
-    return 0
 
 
-def _cpu_name() -> str:
+def calibrated_profile(model: str | None, dtype: str = "auto", block_size: int | None = None,
+                       sweep: Sweep | None = None, *, recalibrate: bool = False, out: str | None = None) -> Any:
+    """This machine's calibrated profile of `model` from the cache; calibrated (and cached) if none exists."""
+    from tokenloop.config import CacheConfig
+    from tokenloop.sim import profiles
+
+    key = profiles.CalibrationKey.here(model or DEFAULT_MODEL, dtype, block_size or CacheConfig().block_size)
+    profile = None if recalibrate else profiles.cached_profile(key)
+    if profile is not None:
+        return profile
+    sweep = sweep or Sweep()
+    print(f"calibrating {key.model} (dtype {key.dtype}, block size {key.block_size}) on {key.machine}: "
+          f"{len(sweep.batches) * len(sweep.contexts)} sweep points ...", file=sys.stderr)
+    began = time.perf_counter()
+    document = calibrate_profile(key, sweep, name=Path(out).stem if out else key.path().stem, out=out)
+    path = profiles.write_cached_profile(key, document)
+    if out:
+        Path(out).write_text(json.dumps({**document, "calibration": key.as_dict()}, indent=1) + "\n",
+                             encoding="utf-8")
+    fit_report = document["fit"]
+    print(f"fitted {fit_report['num_steps']} of {fit_report['num_records']} steps in "
+          f"{time.perf_counter() - began:.0f} s: median |rel err| {fit_report['median_abs_rel_error']:.3f}; "
+          f"cached at {path}" + (f" and wrote {out}" if out else ""), file=sys.stderr)
+    return profiles.load_profile(str(path))
+
+
+def resolve_profile(name: str | None, model: str | None, dtype: str = "auto", block_size: int | None = None,
+                    sweep: Sweep | None = None) -> Any:
+    """--profile if given (checked against --model when that is given too), else the calibrated one here."""
+    from tokenloop.sim.profiles import check_profile_fits, load_profile
+
+    if name is None:
+        return calibrated_profile(model, dtype, block_size, sweep)
+    profile = load_profile(name)
+    check_profile_fits(profile, model=model, block_size=block_size)
+    return profile
+
+
+def _calibrate(args: argparse.Namespace) -> int:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+        sweep = Sweep(_int_list(args.batches, "batches"), _int_list(args.contexts, "contexts"),
+                      args.decode_tokens, args.seed)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    profile = calibrated_profile(args.model, args.dtype, args.block_size, sweep, recalibrate=True, out=args.out)
+    print(f"calibrated {profile.name}: {profile.cost_model.as_dict()}; cached at {profile.path}"
+          + (f"; wrote {args.out}" if args.out else ""))
+    return 0

@@ -62,9 +62,14 @@ def _replay(trace: Sequence[Any], profile: Any, engine_config: Any, router_name:
     from tokenloop.cluster.router import Dispatcher, RouteDecision, RouteRequest, RouterConfig, make_router
     from tokenloop.request import NS_PER_S
     from tokenloop.sim.cluster import SimRequest, SimulatedCluster
+    from tokenloop.sim.energy import StepEnergy, attach_energy, energy_summary
 
     cluster = SimulatedCluster(num_replicas, engine_config, profile.cost_model, vocab_size=vocab_size,
                                max_model_len=profile.max_model_len, kv_bytes_per_token=profile.kv_bytes_per_token)
+    energy = StepEnergy(profile.power_watts) if profile.power_watts is not None else None
+    if energy is not None:  # one observer for all replicas: request ids are unique across the cluster
+        for engine in cluster.engines:
+            engine.add_observer(energy)
     block_size = engine_config.cache.block_size
     # The tracker starts from the profile's costs (the hardware is known) and refits them from the steps.
     tracker = LoadTracker(num_replicas, block_size, seed_costs=StepCosts.from_cost_model(profile.cost_model),
@@ -92,6 +97,7 @@ def _replay(trace: Sequence[Any], profile: Any, engine_config: Any, router_name:
         elif request.id in result.outputs:
             _fill_from_output(record, result.outputs[request.id][1], 0.0)
         records.append(record)
+    attach_energy(records, energy)
     replicas = result.replicas
     run = ReplayRun(label=label, kind="engine", records=records,
                     num_preemptions=sum(r.num_preemptions for r in replicas),
@@ -110,6 +116,8 @@ def _replay(trace: Sequence[Any], profile: Any, engine_config: Any, router_name:
         **_run_costs([engine.runner for engine in cluster.engines], profile,
                      sum(r.output_len for r in records)),
     }
+    if energy is not None:
+        run.settings["energy_per_request"] = energy_summary(records)
     return run
 
 

@@ -15,13 +15,19 @@ Coefficients are seconds per unit and never negative, so a fit cannot explain ti
 term (the ill-conditioning of free least squares on collinear step features). `combine="sum"` adds the
 terms (what a fit produces); `combine="max"` is a roofline: the step lasts as long as the slower of its
 bandwidth terms (`step`, `kv_read_tokens`) and its compute terms (`tokens`, `prefill_attn`,
-`sampled_rows`), plus the per-sequence and fixed overheads.
+`sampled_rows`), plus the per-sequence overhead (`seqs`).
+
+Two overheads sit outside the roofline in either combine and are never fitted (a fit's `step` and
+`tokens` already absorb them): `overhead_step`, seconds added to every step (launches, the framework's
+own loop, a tensor-parallel all-reduce's latency per layer), and `overhead_tokens`, seconds per batched
+token (the all-reduce bytes each token's hidden state moves between tensor-parallel devices). Profiles
+derived from a datasheet set them; see `profiles/*.json`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,6 +38,7 @@ TERMS = ("step", "tokens", "kv_read_tokens", "prefill_attn", "sampled_rows", "se
 BANDWIDTH_TERMS = ("step", "kv_read_tokens")
 COMPUTE_TERMS = ("tokens", "prefill_attn", "sampled_rows")
 COMBINES = ("sum", "max")
+OVERHEADS = ("overhead_step", "overhead_tokens")  # outside the roofline; `from_dict`'s "overheads" keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,11 +91,13 @@ class StepCostModel:
     sampled_rows: float = 0.0
     seqs: float = 0.0
     combine: str = "sum"
+    overhead_step: float = 0.0
+    overhead_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
             raise ValueError(f"unknown combine {self.combine!r} (valid: {', '.join(COMBINES)})")
-        for name in TERMS:
+        for name in (*TERMS, *OVERHEADS):
             value = getattr(self, name)
             if not np.isfinite(value) or value < 0:
                 raise ValueError(f"cost coefficient {name!r} must be finite and >= 0, got {value!r}")
@@ -101,12 +110,17 @@ class StepCostModel:
     def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in TERMS}
 
+    def overheads(self) -> dict[str, float]:
+        """The overheads outside the roofline, by the names a profile's "overheads" uses."""
+        return {"step": self.overhead_step, "tokens": self.overhead_tokens}
+
     def _parts(self, f: StepFeatures) -> tuple[float, float, float]:
         """(bandwidth seconds, compute seconds, overhead seconds) of one step."""
         bandwidth = self.step * f.step + self.kv_read_tokens * f.kv_read_tokens
         compute = (self.tokens * f.tokens + self.prefill_attn * f.prefill_attn
                    + self.sampled_rows * f.sampled_rows)
-        return bandwidth, compute, self.seqs * f.seqs
+        return bandwidth, compute, (self.seqs * f.seqs + self.overhead_step * f.step
+                                    + self.overhead_tokens * f.tokens)
 
     def step_seconds(self, features: StepFeatures) -> float:
         bandwidth, compute, overhead = self._parts(features)
@@ -124,12 +138,19 @@ class StepCostModel:
         return "bandwidth" if bandwidth >= compute else "compute"
 
     @classmethod
-    def from_dict(cls, values: dict[str, float], combine: str = "sum") -> StepCostModel:
-        names = {f.name for f in fields(cls)} - {"combine"}
-        unknown = sorted(set(values) - names)
+    def from_dict(cls, values: dict[str, float], combine: str = "sum",
+                  overheads: dict[str, float] | None = None) -> StepCostModel:
+        """From a profile's "coefficients" (TERMS) and optional "overheads" ({"step": s, "tokens": s})."""
+        unknown = sorted(set(values) - set(TERMS))
         if unknown:
             raise ValueError(f"unknown cost term {unknown[0]!r} (valid: {', '.join(TERMS)})")
-        return cls(**{k: float(v) for k, v in values.items()}, combine=combine)
+        overheads = overheads or {}
+        valid = [name.removeprefix("overhead_") for name in OVERHEADS]
+        unknown = sorted(set(overheads) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown overhead {unknown[0]!r} (valid: {', '.join(valid)})")
+        return cls(**{k: float(v) for k, v in values.items()}, combine=combine,
+                   **{f"overhead_{k}": float(v) for k, v in overheads.items()})
 
 
 # ---- fitting -------------------------------------------------------------------------------------

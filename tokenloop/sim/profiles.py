@@ -2,12 +2,20 @@
 
 Shipped profiles live in `tokenloop/sim/profiles/*.json`; a profile is named by its file's stem, or given
 as a path. A profile's file says where each number came from (`source`, `sources`).
+
+Calibrated profiles of the machine a command runs on are cached under `$TOKENLOOP_CACHE_DIR/profiles/`
+(default `~/.cache/tokenloop/profiles/`), one file per `CalibrationKey`: the machine (CPU model and core
+count), the model, the dtype and the block size, each of which changes step costs. `simulate calibrate`
+writes the file; a cached profile whose recorded key is not the one asked for is refused, both named.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass, field
+import os
+import re
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +42,8 @@ class Profile:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None  # the KV pool the machine holds (None: the engine default)
     power_watts: float | None = None  # board power while busy, for energy = power x modelled time
+    tensor_parallel: int = 1  # devices one engine spans (a datasheet profile states the degree it assumes)
+    calibration: dict[str, Any] | None = None  # a calibrated profile's CalibrationKey, as written
     source: str = ""
     sources: dict[str, str] = field(default_factory=dict)
     path: str = ""
@@ -43,7 +53,7 @@ class Profile:
         where = path or "profile"
         try:
             cost = data["cost"]
-            model = StepCostModel.from_dict(cost["coefficients"], cost.get("combine", "sum"))
+            model = StepCostModel.from_dict(cost["coefficients"], cost.get("combine", "sum"), cost.get("overheads"))
             return cls(name=str(data["name"]), model=str(data["model"]), hardware=str(data["hardware"]),
                        cost_model=model, max_model_len=int(data["max_model_len"]),
                        kv_bytes_per_token=int(data["kv_bytes_per_token"]),
@@ -52,6 +62,8 @@ class Profile:
                                               if data.get("kv_cache_memory_bytes") is not None else None),
                        power_watts=(float(data["power_watts"]) if data.get("power_watts") is not None
                                     else None),
+                       tensor_parallel=int(data.get("tensor_parallel", 1)),
+                       calibration=dict(data["calibration"]) if data.get("calibration") else None,
                        source=str(data.get("source", "")), sources=dict(data.get("sources", {})), path=path)
         except KeyError as exc:
             raise ProfileError(f"{where}: missing field {exc.args[0]!r}") from None
@@ -75,8 +87,100 @@ def load_profile(name_or_path: str) -> Profile:
         else:
             raise ProfileError(f"unknown profile {name_or_path!r} (known: {', '.join(shipped) or 'none'}; "
                                "or give the path of a .json profile)")
+    return _read_profile(path)
+
+
+def _read_profile(path: Path) -> Profile:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     return Profile.from_json(data, str(path))
+
+
+def check_profile_fits(profile: Profile, *, model: str | None = None, block_size: int | None = None) -> None:
+    """ProfileError naming both when `profile` was made for another model or block size than asked for."""
+    if model is not None and profile.model != model:
+        raise ProfileError(f"profile {profile.name!r} was made for model {profile.model!r}, not {model!r}: "
+                           f"calibrate one for {model!r} (tokenloop simulate calibrate --model {model})")
+    if block_size is not None and profile.block_size != block_size:
+        raise ProfileError(f"profile {profile.name!r} is for block size {profile.block_size}, not {block_size}")
+
+
+# ---- the calibration cache ---------------------------------------------------------------------
+
+CACHE_ENV = "TOKENLOOP_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where calibrated profiles are cached: $TOKENLOOP_CACHE_DIR/profiles, or ~/.cache/tokenloop/profiles."""
+    root = os.environ.get(CACHE_ENV)
+    return (Path(root) if root else Path.home() / ".cache" / "tokenloop") / "profiles"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def this_machine() -> str:
+    """The machine as a calibration key knows it: CPU model and core count."""
+    return f"{cpu_name()} x{os.cpu_count() or 1} cores"
+
+
+@dataclass(frozen=True)
+class CalibrationKey:
+    """What a calibrated profile's step costs depend on."""
+
+    machine: str
+    model: str
+    dtype: str
+    block_size: int
+
+    @classmethod
+    def here(cls, model: str, dtype: str = "auto", block_size: int = 16) -> CalibrationKey:
+        return cls(this_machine(), model, dtype, block_size)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def filename(self) -> str:
+        """Readable, and unique by a hash of the whole key (a model path can be long or repeat a stem)."""
+        def slug(text: str) -> str:
+            return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")[:40]
+
+        digest = hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:10]
+        return (f"{slug(self.machine)}--{slug(Path(self.model).name or self.model)}--{self.dtype}--"
+                f"bs{self.block_size}--{digest}.json")
+
+    def path(self) -> Path:
+        return cache_dir() / self.filename()
+
+
+def cached_profile(key: CalibrationKey) -> Profile | None:
+    """The cached calibrated profile for `key`, None if there is none; ProfileError if it is for another key."""
+    path = key.path()
+    if not path.is_file():
+        return None
+    profile = _read_profile(path)
+    recorded = profile.calibration or {}
+    for name, wanted in key.as_dict().items():
+        if recorded.get(name) != wanted:
+            raise ProfileError(f"cached profile {path} was calibrated for {name} {recorded.get(name)!r}, not "
+                               f"{wanted!r}: delete it or run tokenloop simulate calibrate")
+    return profile
+
+
+def write_cached_profile(key: CalibrationKey, document: dict[str, Any]) -> Path:
+    """Cache a calibrated profile document (it records `key` under "calibration"); returns its path."""
+    path = key.path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**document, "calibration": key.as_dict()}, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)  # a reader never sees half a file
+    return path
