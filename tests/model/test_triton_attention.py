@@ -1,0 +1,116 @@
+"""The Triton paged-attention kernel must match the gather + SDPA reference on every paging and batching.
+
+On a machine without CUDA it runs under the Triton interpreter (TRITON_INTERPRET=1, which tests/conftest.py
+sets before anything imports triton), so CI checks the real kernel's indexing, masks and softmax on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from tokenloop.model.attention import AttentionMetadata, paged_attention
+
+triton = pytest.importorskip("triton")
+pytestmark = pytest.mark.triton
+
+from tokenloop.model import triton_attention  # after the skip: triton may be missing
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must switch the interpreter on"
+
+
+def _random_step(rng: random.Random, lengths: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
+                 head_dim: int, block_size: int, dtype: torch.dtype):
+    """One step of requests (context before, new tokens) with blocks scattered over a pool of garbage."""
+    num_blocks = sum((c + n + block_size - 1) // block_size for c, n in lengths) + 5
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range((c + n + block_size - 1) // block_size)] for c, n in lengths]
+    width = max(len(t) for t in tables) + 1  # one spare column of padding, as the runner's tables have
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, device=DEVICE).to(dtype)  # stale K/V that must not leak in
+    value_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    starts, seq_lens, slots = [0], [], []
+    for (context, new), table in zip(lengths, tables):
+        positions = torch.arange(context, context + new)
+        slots.append(torch.tensor(table)[positions // block_size] * block_size + positions % block_size)
+        starts.append(starts[-1] + new)
+        seq_lens.append(context + new)
+    tokens = starts[-1]
+    query = torch.randn(tokens, num_heads, head_dim, device=DEVICE).to(dtype)
+    key = torch.randn(tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    value = torch.randn(tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
+    return starts, seq_lens, block_table, torch.cat(slots).to(DEVICE), query, key, value, key_cache, value_cache
+
+
+def _both(lengths: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+          dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's output and the kernel's for the same step, each on its own copy of the caches."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    starts, seq_lens, table, slots, q, k, v, kc, vc = _random_step(
+        rng, lengths, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    reference_meta = AttentionMetadata.build(starts, seq_lens, table, slots, block_size)
+    kernel_meta = AttentionMetadata.build(starts, seq_lens, table, slots, block_size,
+                                          triton_attention, triton_attention)
+    reference = paged_attention(q, k, v, kc.clone(), vc.clone(), reference_meta, scale)
+    kernel = paged_attention(q, k, v, kc.clone(), vc.clone(), kernel_meta, scale)
+    return reference, kernel
+
+
+# SmolLM2-135M: 9 query heads on 3 KV heads; Llama-3-8B: 32 on 8, head_dim 128; plus MHA.
+HEADS = [(9, 3, 64), (32, 8, 128), (4, 4, 16)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", HEADS)
+def test_mixed_step_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """Decode rows of ragged lengths next to fresh prompts, chunks after a cached context and a prefix hit
+    ending mid-block: last blocks partly filled, one chunk longer than a query tile."""
+    lengths = [(0, 1), (20, 1), (47, 1), (0, 37), (16, 9), (33, 70), (5, 1)]
+    reference, kernel = _both(lengths, num_heads, num_kv_heads, head_dim, 16, torch.float32, seed=head_dim)
+    torch.testing.assert_close(kernel, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes_match_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    num_kv_heads = rng.choice([1, 2, 3])
+    num_heads = num_kv_heads * rng.choice([1, 2, 3, 4, 5])
+    block_size = rng.choice([1, 4, 16, 32])
+    lengths = [(rng.choice([0, rng.randrange(1, 90)]), rng.choice([1, 1, rng.randrange(2, 40)]))
+               for _ in range(rng.randrange(1, 6))]
+    reference, kernel = _both(lengths, num_heads, num_kv_heads, 32, block_size, torch.float32, seed)
+    torch.testing.assert_close(kernel, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_only_and_prefill_only_batches() -> None:
+    for lengths in ([(15, 1), (16, 1), (17, 1), (100, 1)], [(0, 16), (0, 17), (3, 2)]):
+        reference, kernel = _both(lengths, 9, 3, 64, 16, torch.float32, seed=len(lengths))
+        torch.testing.assert_close(kernel, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_half_precision_within_tolerance() -> None:
+    """fp16 K/V and queries (the interpreter has no bf16: numpy lacks it); fp32 accumulation inside."""
+    lengths = [(0, 1), (30, 1), (0, 24), (18, 20)]
+    reference, kernel = _both(lengths, 9, 3, 64, 16, torch.float16, seed=3)
+    torch.testing.assert_close(kernel.float(), reference.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_bad_shapes_are_refused() -> None:
+    q = torch.zeros(2, 6, 24)
+    cache = torch.zeros(4, 16, 3, 24)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        triton_attention.paged_decode_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.long),
+                                                torch.ones(2, dtype=torch.long), 1.0, torch.empty_like(q))
+    cache = torch.zeros(4, 16, 4, 32)
+    q = torch.zeros(2, 6, 32)
+    with pytest.raises(ValueError, match="not a multiple"):
+        triton_attention.paged_decode_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.long),
+                                                torch.ones(2, dtype=torch.long), 1.0, torch.empty_like(q))
