@@ -50,7 +50,7 @@ class PagedHarness:
         width = max(len(seq.blocks) for seq, _ in work)
         table = torch.tensor([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in work])
         meta = AttentionMetadata.build(starts, seq_lens, table, torch.tensor(slots), self.block_size,
-                                       self.model.decode_kernel)
+                                       self.model.decode_kernel, self.model.prefill_kernel)
         with torch.inference_mode():
             return self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.kv,
                                       torch.tensor([s - 1 for s in starts[1:]]))
