@@ -22,7 +22,7 @@ BLOCK_SIZE = 16
 
 
 @pytest.fixture
-def meta_core(tiny) -> EngineCore:  # noqa: ANN001 - tiny: a Checkpoint
+def meta_core(tiny) -> EngineCore:
     """An engine core over the tiny model, its model and runner swapped for copies on `meta`."""
     config = EngineConfig(model=str(tiny.path), seed=0, cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=64),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40))
@@ -40,7 +40,7 @@ class DeviceReads:
         self.tolist = 0
         original = torch.Tensor.tolist
 
-        def tolist(tensor: torch.Tensor):  # noqa: ANN202 - whatever tolist returns
+        def tolist(tensor: torch.Tensor):
             if tensor.device.type != "meta":
                 return original(tensor)
             self.tolist += 1
@@ -62,7 +62,7 @@ def test_mixed_and_decode_steps_read_only_the_ids(meta_core: EngineCore, monkeyp
     shapes: list[list[tuple[int, int]]] = []  # per step: (new tokens, prefix-hit tokens) per request
     execute = meta_core.runner.execute
 
-    def recording_execute(schedule):  # noqa: ANN001, ANN202
+    def recording_execute(schedule):
         shapes.append([(item.num_tokens, item.prefix_hit_tokens) for item in schedule.scheduled])
         return execute(schedule)
 
@@ -95,7 +95,7 @@ def test_a_device_read_in_the_step_would_be_caught(meta_core: EngineCore, monkey
     DeviceReads(monkeypatch)
     forward = meta_core.model.forward
 
-    def reading_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def reading_forward(*args, **kwargs):
         logits = forward(*args, **kwargs)
         if float(logits.max()) > 1e9:  # the kind of check that costs a sync per step on CUDA
             raise AssertionError("unreachable")
