@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from tests.model.paged_harness import random_paged_step
 from tokenloop.model.attention import AttentionMetadata, paged_attention
 
 triton = pytest.importorskip("triton")
@@ -24,44 +25,17 @@ if DEVICE == "cpu":
     assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must switch the interpreter on"
 
 
-def _random_step(rng: random.Random, lengths: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
-                 head_dim: int, block_size: int, dtype: torch.dtype):
-    """One step of requests (context before, new tokens) with blocks scattered over a pool of garbage."""
-    num_blocks = sum((c + n + block_size - 1) // block_size for c, n in lengths) + 5
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range((c + n + block_size - 1) // block_size)] for c, n in lengths]
-    width = max(len(t) for t in tables) + 1  # one spare column of padding, as the runner's tables have
-    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=DEVICE)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, device=DEVICE).to(dtype)  # stale K/V that must not leak in
-    value_cache = torch.randn(shape, device=DEVICE).to(dtype)
-    starts, seq_lens, slots = [0], [], []
-    for (context, new), table in zip(lengths, tables):
-        positions = torch.arange(context, context + new)
-        slots.append(torch.tensor(table)[positions // block_size] * block_size + positions % block_size)
-        starts.append(starts[-1] + new)
-        seq_lens.append(context + new)
-    tokens = starts[-1]
-    query = torch.randn(tokens, num_heads, head_dim, device=DEVICE).to(dtype)
-    key = torch.randn(tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
-    value = torch.randn(tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
-    return starts, seq_lens, block_table, torch.cat(slots).to(DEVICE), query, key, value, key_cache, value_cache
-
-
 def _both(lengths: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
           dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's output and the kernel's for the same step, each on its own copy of the caches."""
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    starts, seq_lens, table, slots, q, k, v, kc, vc = _random_step(
-        rng, lengths, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    s = random_paged_step(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype, DEVICE, seed)
     scale = head_dim ** -0.5
-    reference_meta = AttentionMetadata.build(starts, seq_lens, table, slots, block_size)
-    kernel_meta = AttentionMetadata.build(starts, seq_lens, table, slots, block_size,
+    reference_meta = AttentionMetadata.build(s.starts, s.seq_lens, s.block_table, s.slots, block_size)
+    kernel_meta = AttentionMetadata.build(s.starts, s.seq_lens, s.block_table, s.slots, block_size,
                                           triton_attention, triton_attention)
-    reference = paged_attention(q, k, v, kc.clone(), vc.clone(), reference_meta, scale)
-    kernel = paged_attention(q, k, v, kc.clone(), vc.clone(), kernel_meta, scale)
+    reference = paged_attention(s.query, s.key, s.value, s.key_cache.clone(), s.value_cache.clone(),
+                                reference_meta, scale)
+    kernel = paged_attention(s.query, s.key, s.value, s.key_cache.clone(), s.value_cache.clone(), kernel_meta, scale)
     return reference, kernel
 
 

@@ -260,6 +260,7 @@ def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[i
 
 def _calibrate(args: argparse.Namespace) -> int:
     from tokenloop.sim.cost import fit
+    from tokenloop.sim.profiles import fitted_profile
 
     if not args.out:
         print("error: calibrate needs --out FILE", file=sys.stderr)
@@ -275,22 +276,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     command = " ".join(["tokenloop", "simulate", "calibrate", "--model", args.model, "--batches",
                         args.batches, "--contexts", args.contexts, "--decode-tokens", str(args.decode_tokens),
                         "--out", args.out])
-    profile = {
-        "name": Path(args.out).stem, "model": args.model,
-        "hardware": f"this machine ({_cpu_name()}), {engine.dtype_choice.describe()}",
-        "max_model_len": engine.max_model_len, "kv_bytes_per_token": kv_bytes_per_token,
-        "block_size": engine.kv_cache.block_size,
-        "cost": {"combine": "sum", "coefficients": report.model.as_dict()},
-        "source": command,
-        "sources": {"coefficients": f"NNLS fit (relative errors) of step durations (end - start) over "
-                                    f"{report.num_steps} of {report.num_records} real steps, the others "
-                                    f"trimmed as outliers; median |relative error| "
-                                    f"{report.median_abs_rel_error:.3f}, mean step "
-                                    f"{report.mean_step_s * 1e3:.1f} ms; measured "
-                                    f"{time.strftime('%Y-%m-%d', time.gmtime())}",
-                    "kv_bytes_per_token": "the loaded model's KV layout (layers x KV heads x head dim x "
-                                          "dtype)"},
-    }
+    profile = fitted_profile(Path(args.out).stem, args.model,
+                             f"this machine ({_cpu_name()}), {engine.dtype_choice.describe()}",
+                             engine.max_model_len, kv_bytes_per_token, engine.kv_cache.block_size, report, command,
+                             time.strftime("%Y-%m-%d", time.gmtime()))
     Path(args.out).write_text(json.dumps(profile, indent=1) + "\n", encoding="utf-8")
     print(f"fitted {report.num_steps} steps: {report.model.as_dict()}; median |rel err| "
           f"{report.median_abs_rel_error:.3f}; wrote {args.out}")
