@@ -233,7 +233,8 @@ def check_attention(device: str, quick: bool) -> list[dict[str, Any]]:
                 reference = paged_attention(*inputs, reference_meta, scale)
                 kernel = paged_attention(*inputs, kernel_meta, scale)
                 error = float((kernel.float() - reference.float()).abs().max())
-                tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+                # bf16: outputs up to ~4 in size round at 2^-6, and the kernel rounds P to bf16 before P @ V.
+                tolerance = 1e-4 if dtype == torch.float32 else 6e-2
                 row = {"case": f"{case} {heads}/{kv_heads}x{head_dim} {str(dtype).removeprefix('torch.')}",
                        "max_abs_error": error, "ok": error <= tolerance}
                 if device != "cpu":  # timings under the interpreter mean nothing

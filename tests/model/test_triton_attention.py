@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from tests.model.paged_harness import random_paged_step
+from tests.model.test_llama import _mixed_step_logits, _prompts
 from tokenloop.model.attention import AttentionMetadata, paged_attention
+from tokenloop.model.llama import LlamaModel
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
@@ -88,3 +90,13 @@ def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="not a multiple"):
         triton_attention.paged_decode_attention(q, cache, cache, torch.zeros(2, 1, dtype=torch.long),
                                                 torch.ones(2, dtype=torch.long), 1.0, torch.empty_like(q))
+
+
+def test_model_forward_with_the_kernel_matches_the_reference(tiny) -> None:  # tiny: a Checkpoint
+    """Through the decoder itself: its queries are a strided view of the fused QKV output, not contiguous."""
+    reference = LlamaModel.from_weights(tiny.config, tiny.weights, use_cpu_kernels=False)
+    kernel = LlamaModel.from_weights(tiny.config, tiny.weights, use_cpu_kernels=False)
+    kernel.decode_kernel = kernel.prefill_kernel = triton_attention
+    prompts = _prompts(tiny.config.vocab_size, seed=5, shared_prefix=32)
+    for ours, theirs in zip(_mixed_step_logits(kernel, prompts, 16), _mixed_step_logits(reference, prompts, 16)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
