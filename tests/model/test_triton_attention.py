@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ pytestmark = pytest.mark.triton
 from tokenloop.model import triton_attention  # after the skip: triton may be missing
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REPO = Path(__file__).resolve().parents[2]
 if DEVICE == "cpu":
     assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must switch the interpreter on"
 
@@ -100,3 +104,16 @@ def test_model_forward_with_the_kernel_matches_the_reference(tiny) -> None:  # t
     prompts = _prompts(tiny.config.vocab_size, seed=5, shared_prefix=32)
     for ours, theirs in zip(_mixed_step_logits(kernel, prompts, 16), _mixed_step_logits(reference, prompts, 16)):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_kernel_compiles_for_hopper_without_a_gpu() -> None:
+    """Code generation down to an sm_90 cubin (triton's bundled ptxas) for every layout and dtype the
+    engine launches: what the interpreter cannot check (dot shapes, layouts, register and shared memory)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONPATH": str(REPO), "TRITON_DEFAULT_FP_FUSION": "1"}
+    result = subprocess.run([sys.executable, "-m", "tests.model.triton_aot", "90"], capture_output=True,
+                            text=True, timeout=900, env=env, cwd=REPO, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("sm_90")]
+    assert len(lines) == 8 and all("cubin=" in line for line in lines), result.stdout

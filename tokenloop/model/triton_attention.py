@@ -109,6 +109,19 @@ def _check(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tens
                          f"query {tuple(query.shape)}, out {tuple(out.shape)}")
 
 
+def kernel_constants(group: int, head_dim: int, page: int, decode: bool, dtype: torch.dtype) -> dict[str, object]:
+    """The kernel's compile-time parameters for one layout (also what an ahead-of-time compile needs)."""
+    group_pad = triton.next_power_of_2(group)
+    if decode:
+        block_q, block_m = 1, max(_MIN_DOT_ROWS, group_pad)
+    else:
+        block_m = max(64 if head_dim <= 64 else 32, group_pad, _MIN_DOT_ROWS)
+        block_q = block_m // group_pad
+    return {"GROUP": group, "GROUP_PAD": group_pad, "BLOCK_Q": block_q, "BLOCK_M": block_m,
+            "BLOCK_N": 64 if head_dim <= 64 else 32, "HEAD_DIM": head_dim, "PAGE": page, "DECODE": decode,
+            "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32"}  # tf32 only matters for fp32 inputs
+
+
 def _launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
             block_table: torch.Tensor, seq_lens: torch.Tensor, query_starts: torch.Tensor,
             query_lens: torch.Tensor, max_query_len: int, scale: float, decode: bool) -> None:
@@ -116,26 +129,15 @@ def _launch(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     batch = block_table.shape[0]
     if batch == 0:
         return
-    num_heads = query.shape[1]
     num_kv_heads, page, head_dim = key_cache.shape[2], key_cache.shape[1], key_cache.shape[3]
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    if decode:
-        block_q, block_m = 1, max(_MIN_DOT_ROWS, group_pad)
-    else:
-        block_m = max(64 if head_dim <= 64 else 32, group_pad, _MIN_DOT_ROWS)
-        block_q = block_m // group_pad
-    block_n = 64 if head_dim <= 64 else 32
-    grid = (batch, num_kv_heads, triton.cdiv(max_query_len, block_q))
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"  # tf32 only matters for fp32 inputs
+    constants = kernel_constants(query.shape[1] // num_kv_heads, head_dim, page, decode, query.dtype)
+    grid = (batch, num_kv_heads, triton.cdiv(max_query_len, constants["BLOCK_Q"]))
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, out, block_table, seq_lens, query_starts, query_lens, scale,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        out.stride(0), out.stride(1), block_table.stride(0),
-        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, PAGE=page, DECODE=decode, DOT_PRECISION=precision)
+        out.stride(0), out.stride(1), block_table.stride(0), **constants)
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
