@@ -29,7 +29,12 @@ from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
 from tokenloop.core.recording import gauges, release_infos, step_record
 from tokenloop.core.scheduler import Scheduler, SchedulerStats
 from tokenloop.errors import InvalidRequestError
-from tokenloop.model.dtypes import CpuFeatures, build_model, require_device, resolve_dtype
+from tokenloop.model.dtypes import (
+    CpuFeatures,
+    build_model,
+    require_device,
+    resolve_dtype,
+)
 from tokenloop.model.loader import Checkpoint, load_checkpoint
 from tokenloop.observe.records import ArrivalRecord, ObserverSet, Observes
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
