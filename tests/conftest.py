@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 from tests.tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer_dir
+
+# Triton kernels (tests marked `triton`) run under the interpreter where there is no GPU. Triton reads the
+# switch when a kernel is decorated, so it is set here, before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_CONFIG = {
     "model_type": "llama",

@@ -22,6 +22,7 @@ class _CapturingModel:
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     decode_kernel: Any = None
+    prefill_kernel: Any = None
     last_weight_form: str = "fp32"
     calls: list[dict[str, Any]] = field(default_factory=list)
 

@@ -160,8 +160,8 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     device: str = "cpu"
-    # Activations and KV cache; "auto" resolves per CPU and checkpoint (tokenloop/model/dtypes.py):
-    # fp32 activations with packed quantized or bf16 weights where the CPU has native bf16.
+    # Activations and KV cache; "auto" resolves per device, CPU and checkpoint (tokenloop/model/dtypes.py):
+    # fp32 activations with packed quantized or bf16 weights where the CPU has native bf16; bf16 on CUDA.
     dtype: str = "auto"
     # Projection matrices: float32 / float16 / bfloat16, or "quantized" (a GGUF's blocks packed for the CPU
     # int4 / Q8_0 kernels, with a dense copy for large batches); None: same as dtype, or chosen by "auto".
@@ -173,6 +173,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self) -> None:
+        _require(self.device == "cpu" or self.device == "cuda" or
+                 (self.device.startswith("cuda:") and self.device[5:].isdigit()),
+                 f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         _require(self.dtype in ("auto", "float32", "float16", "bfloat16"),
                  f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         _require(self.weight_dtype in (None, "float32", "float16", "bfloat16", "quantized"),

@@ -46,6 +46,17 @@ class RunnerOutput:
     prompt_logits: list[PromptLogitsSlice] = field(default_factory=list)
     forward_s: float = 0.0  # time inside the model forward alone; the rest of execute is batch building
     weight_form: str = ""  # the form the projections ran in this step (int4, bfloat16, ...): rows decide
+    # On CUDA the forward runs asynchronously: events around it, read once the step has synchronized anyway.
+    forward_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    @property
+    def forward_seconds(self) -> float:
+        """The forward's time: on CUDA measured on the device (waits for the forward's end if need be)."""
+        if self.forward_events is None:
+            return self.forward_s
+        begin, end = self.forward_events
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3
 
 
 class BlockTables:
@@ -217,26 +228,35 @@ class ModelRunner:
             if output.num_draft_tokens:
                 logits_index = torch.from_numpy(_with_draft_rows(logits_index.numpy(), sample_indices, scheduled))
 
+        # The step's metadata is host numbers (numpy); it goes to the device here, and nothing comes back.
         device = self.device
         meta = AttentionMetadata.build(torch.from_numpy(query_start_loc), torch.from_numpy(seq_lens),
                                        torch.from_numpy(table).to(device), torch.from_numpy(slots).to(device),
-                                       block_size, self.model.decode_kernel)
+                                       block_size, self.model.decode_kernel,
+                                       self.model.prefill_kernel)
+        events = None
+        if device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         begin = time.perf_counter()
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=device),
             torch.from_numpy(positions).to(device), meta, self.kv_caches, logits_index.to(device))
-        logits = logits.float().cpu()  # the sampler works on the host; a no-op for a CPU model
+        logits = logits.float()  # stays on the model's device: the sampler works there
         forward_s = time.perf_counter() - begin
+        if events is not None:
+            events[1].record()
 
         if prompt_rows:
             prompt_logits = [PromptLogitsSlice(rid, first, logits[at:at + count])
                              for rid, first, at, count in prompt_rows]
-            keep = torch.ones(len(logits_index), dtype=torch.bool)
+            keep = np.ones(len(logits_index), dtype=np.bool_)
             for _, _, at, count in prompt_rows:
                 keep[at:at + count] = False
-            return RunnerOutput(sample_indices.tolist(), logits[keep], prompt_logits, forward_s,
-                                self.model.last_weight_form)
-        return RunnerOutput(sample_indices.tolist(), logits, [], forward_s, self.model.last_weight_form)
+            sample_rows = torch.from_numpy(np.flatnonzero(keep)).to(device)  # by index: a mask would sync
+            return RunnerOutput(sample_indices.tolist(), logits.index_select(0, sample_rows), prompt_logits,
+                                forward_s, self.model.last_weight_form, events)
+        return RunnerOutput(sample_indices.tolist(), logits, [], forward_s, self.model.last_weight_form, events)
 
     @staticmethod
     def _logits_rows_with_prompts(output: SchedulerOutput, query_start_loc: np.ndarray,

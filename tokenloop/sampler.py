@@ -11,6 +11,10 @@ all-greedy batch without penalties costs one argmax.
 A draw is inverse-CDF sampling with one uniform number per row. A seeded request takes its number
 from its own generator and every per-row computation only reads that row, so its tokens do not
 depend on what it is batched with or on its row position.
+
+The logits may live on any device (the model's): the per-step parameter tensors are made there from the
+batch's Python lists, the uniforms are drawn on the host (so a seed gives the same numbers on every device)
+and copied over, and nothing is read back until the token ids (and logprobs, when asked for) at the end.
 """
 
 from __future__ import annotations
@@ -226,7 +230,7 @@ class Sampler:
             return x
         if len(random_rows) == batch.num_rows:
             return self._truncate(self._scale(x, batch.random_temperature), batch)
-        rows = torch.tensor(random_rows)
+        rows = torch.tensor(random_rows, device=x.device)
         if x is logits:
             x = logits.clone()
         x[rows] = self._truncate(self._scale(x[rows], batch.random_temperature), batch)
@@ -240,7 +244,7 @@ class Sampler:
             raise ValueError(f"expected logits [L, {self.vocab_size}], got {tuple(logits.shape)}")
         if target_token_ids.shape != (logits.shape[0],):
             raise ValueError(f"expected {logits.shape[0]} target ids, got {tuple(target_token_ids.shape)}")
-        targets = target_token_ids.to(torch.long)
+        targets = target_token_ids.to(device=logits.device, dtype=torch.long)
         out: list[TokenLogprobs] = []
         for start in range(0, logits.shape[0], _PROMPT_LOGPROBS_CHUNK):
             end = start + _PROMPT_LOGPROBS_CHUNK
@@ -272,23 +276,24 @@ class Sampler:
     def _penalise(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logit_bias, min_tokens, then repetition/frequency/presence penalties; copies only if needed."""
         x = logits
+        device = x.device
         bias_rows, bias_cols, bias_vals = batch.bias_cells
         mask_rows, mask_cols = batch.masked_cells
         if bias_rows:
             x = x.clone()
-            x.index_put_((torch.tensor(bias_rows), torch.tensor(bias_cols)),
-                         torch.tensor(bias_vals, dtype=x.dtype), accumulate=True)
+            x.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device)),
+                         torch.tensor(bias_vals, dtype=x.dtype, device=device), accumulate=True)
         if mask_rows:
             if x is logits:
                 x = x.clone()
-            x[torch.tensor(mask_rows), torch.tensor(mask_cols)] = _NEG_INF
+            x[torch.tensor(mask_rows, device=device), torch.tensor(mask_cols, device=device)] = _NEG_INF
         if batch.penalties is not None:
             if x is logits:
                 x = x.clone()
             if len(batch.penalty_rows) == batch.num_rows:
                 _apply_penalties(x, batch.penalties)
             else:
-                rows = torch.tensor(batch.penalty_rows)
+                rows = torch.tensor(batch.penalty_rows, device=device)
                 sub = x[rows]
                 _apply_penalties(sub, batch.penalties)
                 x[rows] = sub
@@ -300,7 +305,7 @@ class Sampler:
     def _scale(x: torch.Tensor, temps: list[float]) -> torch.Tensor:
         if all(t == 1.0 for t in temps):
             return x
-        return x / torch.tensor(temps, dtype=x.dtype).unsqueeze(1)
+        return x / torch.tensor(temps, dtype=x.dtype, device=x.device).unsqueeze(1)
 
     @staticmethod
     def _truncate(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -312,7 +317,7 @@ class Sampler:
                 thresholds = _top_k_top_p_thresholds(x, top_k, top_p)
                 x = x.masked_fill(x < thresholds.unsqueeze(1), _NEG_INF)
             else:
-                rows = torch.tensor(kp_rows)
+                rows = torch.tensor(kp_rows, device=x.device)
                 sub = x[rows]
                 thresholds = _top_k_top_p_thresholds(sub, [top_k[i] for i in kp_rows],
                                                      [top_p[i] for i in kp_rows])
@@ -321,7 +326,8 @@ class Sampler:
         min_p = batch.random_min_p
         if any(m > 0.0 for m in min_p):
             # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p); renormalising changes neither side.
-            log_min_p = torch.tensor([math.log(m) if m > 0.0 else _NEG_INF for m in min_p], dtype=x.dtype)
+            log_min_p = torch.tensor([math.log(m) if m > 0.0 else _NEG_INF for m in min_p], dtype=x.dtype,
+                                     device=x.device)
             floor = x.amax(dim=1) + log_min_p
             x = x.masked_fill(x < floor.unsqueeze(1), _NEG_INF)
         return x
@@ -335,10 +341,12 @@ class Sampler:
             return processed.argmax(dim=1)
         if len(random_rows) == batch.num_rows:
             return self._draw(processed, batch.random_generators)
-        tokens = torch.empty(batch.num_rows, dtype=torch.long)
-        greedy_rows = torch.tensor([i for i, g in enumerate(batch.greedy) if g])
+        device = processed.device
+        tokens = torch.empty(batch.num_rows, dtype=torch.long, device=device)
+        greedy_rows = torch.tensor([i for i, g in enumerate(batch.greedy) if g], device=device)
         tokens[greedy_rows] = processed[greedy_rows].argmax(dim=1)
-        tokens[torch.tensor(random_rows)] = self._draw(processed[random_rows], batch.random_generators)
+        random_index = torch.tensor(random_rows, device=device)
+        tokens[random_index] = self._draw(processed[random_index], batch.random_generators)
         return tokens
 
     def _draw(self, x: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -351,8 +359,9 @@ class Sampler:
             for i, g in enumerate(generators):
                 if g is not None:
                     u[i] = torch.rand(1, generator=g, dtype=torch.float64)
-        tokens, drawable = _inverse_cdf(torch.softmax(x, dim=1), u)
-        if not bool(drawable.all()):  # every token masked (or NaN logits): fall back to the argmax
+        tokens, drawable = _inverse_cdf(torch.softmax(x, dim=1), u.to(x.device))
+        # Every token masked (or NaN logits): fall back to the argmax. Off the CPU always, not to read a flag.
+        if x.device.type != "cpu" or not bool(drawable.all()):
             tokens = torch.where(drawable, tokens, x.argmax(dim=1))
         return tokens
 
@@ -368,7 +377,7 @@ class Sampler:
             lp = torch.log_softmax(logits, dim=1)
             targets = token_ids
         else:
-            index = torch.tensor(rows)
+            index = torch.tensor(rows, device=logits.device)
             lp = torch.log_softmax(logits[index], dim=1)
             targets = token_ids[index]
         num_top = [batch.num_logprobs[i] or 0 for i in rows]

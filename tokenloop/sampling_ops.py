@@ -41,7 +41,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, to
     target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
     block = torch.searchsorted(block_cdf, target, right=True).clamp_max(block_cdf.shape[1] - 1)
     before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), torch.zeros_like(target))
-    inside = within[torch.arange(rows), block.squeeze(1)].double()
+    inside = within[torch.arange(rows, device=probs.device), block.squeeze(1)].double()
     mass = inside[:, -1:]
     residual = torch.minimum(target - before, torch.nextafter(mass, torch.zeros_like(mass))).clamp_min(0.0)
     offset = torch.searchsorted(inside, residual, right=True).clamp_max(_DRAW_BLOCK - 1)
@@ -54,21 +54,27 @@ def _apply_penalties(x: torch.Tensor, history: PenaltyHistory) -> None:
 
     Only the (row, token) cells that occurred are touched: unique flat keys row * V + token with their
     counts cost O(tokens), where dense [B, V] count matrices would cost O(B * V) per step.
+    The keys are made and deduplicated on the host (they come from the requests' Python lists) and copied
+    to the logits' device once.
     """
     vocab = x.shape[1]
+    device = x.device
     flat = x.view(-1)
     out_keys, out_counts = torch.unique(_flat_keys(history.output_token_ids, vocab), return_counts=True)
     if any(p != 1.0 for p in history.repetition):
         prompt_keys = _flat_keys(history.prompt_token_ids, vocab)
         seen = torch.unique(torch.cat([prompt_keys, out_keys]))
-        penalty = torch.tensor(history.repetition, dtype=x.dtype)[seen // vocab]
+        penalty = torch.tensor(history.repetition, dtype=x.dtype)[seen // vocab].to(device)
+        seen = seen.to(device)
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    frequency = torch.tensor(history.frequency, dtype=x.dtype)
-    presence = torch.tensor(history.presence, dtype=x.dtype)
-    if out_keys.numel() and bool((frequency != 0).any() or (presence != 0).any()):
+    if out_keys.numel() and (any(f != 0 for f in history.frequency) or any(p != 0 for p in history.presence)):
+        frequency = torch.tensor(history.frequency, dtype=x.dtype)
+        presence = torch.tensor(history.presence, dtype=x.dtype)
         rows = out_keys // vocab
-        flat[out_keys] = flat[out_keys] - out_counts.to(x.dtype) * frequency[rows] - presence[rows]
+        by_count = (out_counts.to(x.dtype) * frequency[rows]).to(device)
+        out_keys = out_keys.to(device)
+        flat[out_keys] = flat[out_keys] - by_count - presence[rows].to(device)
 
 
 def _flat_keys(sequences: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
@@ -81,18 +87,19 @@ def _flat_keys(sequences: Sequence[Sequence[int]], vocab_size: int) -> torch.Ten
 def _top_k_top_p_thresholds(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """The smallest logit each row keeps under top-k then top-p (0 / 1.0: off); ties of it are kept too."""
     n = x.shape[0]
-    thresholds = torch.full((n,), _NEG_INF, dtype=x.dtype)
+    device = x.device
+    thresholds = torch.full((n,), _NEG_INF, dtype=x.dtype, device=device)
     k_only = [i for i in range(n) if top_k[i] and top_p[i] >= 1.0]
     if k_only:
-        k = torch.tensor([top_k[i] for i in k_only])
+        k = torch.tensor([top_k[i] for i in k_only], device=device)
         # One topk as wide as the largest k: a k-th value does not depend on how many more are fetched.
-        values = torch.topk(_rows(x, k_only), int(k.max()), dim=1).values
+        values = torch.topk(_rows(x, k_only), max(top_k[i] for i in k_only), dim=1).values
         thresholds[k_only] = values.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
     p_rows = [i for i in range(n) if top_p[i] < 1.0]
     if p_rows:
         thresholds[p_rows] = _top_p_thresholds(
-            _rows(x, p_rows), torch.tensor([top_k[i] for i in p_rows]),
-            torch.tensor([top_p[i] for i in p_rows], dtype=x.dtype))
+            _rows(x, p_rows), torch.tensor([top_k[i] for i in p_rows], device=device),
+            torch.tensor([top_p[i] for i in p_rows], dtype=x.dtype, device=device))
     return thresholds
 
 
@@ -102,20 +109,23 @@ def _top_p_thresholds(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     Each row first looks at its best few candidates (`torch.topk`); rows whose cut-off is not settled
     within them move to a bigger stage and finally a full sort. Stages give bit-identical thresholds:
     every quantity is a prefix (a sequential cumsum over values sorted by size) of the same sequence.
+    Off the CPU there are no stages: deciding which rows move on would read flags back from the device,
+    and one full sort is cheap there.
     """
     n, vocab = x.shape
+    on_cpu = x.device.type == "cpu"
     # Weights come from the full row's softmax, computed once, so every stage sees the same numbers.
     probs = torch.softmax(x, dim=1)
-    thresholds = torch.full((n,), _NEG_INF, dtype=x.dtype)
-    pending = torch.arange(n)
-    for stage in (*_CANDIDATE_STAGES, vocab):
+    thresholds = torch.full((n,), _NEG_INF, dtype=x.dtype, device=x.device)
+    pending = torch.arange(n, device=x.device)
+    for stage in (*_CANDIDATE_STAGES, vocab) if on_cpu else (vocab,):
         width = min(stage, vocab)
         final = width == vocab
         # A row whose top_k exceeds this stage cannot read its k-th value here.
         here = pending if final else pending[top_k[pending] <= width]
         if here.numel() == 0:
             continue
-        rows = here.tolist()
+        rows = here.tolist() if on_cpu else list(range(n))  # off the CPU: the one stage, every row
         if final:
             values, order = torch.sort(_rows(x, rows), dim=1, descending=True)
         else:
@@ -135,10 +145,10 @@ def _top_p_thresholds(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
         num_keep = keep.sum(dim=1).clamp_min(1)
         cut = values.gather(1, (num_keep - 1).unsqueeze(1)).squeeze(1)
         if final:
-            settled = torch.ones(len(rows), dtype=torch.bool)
-        else:
-            # Settled only if the prefix and the top-k set both end inside this stage's candidates.
-            settled = (num_keep < width) & (~k_on | (num_in_k < width))
+            thresholds[here] = cut
+            break
+        # Settled only if the prefix and the top-k set both end inside this stage's candidates.
+        settled = (num_keep < width) & (~k_on | (num_in_k < width))
         thresholds[here[settled]] = cut[settled]
         done = torch.zeros(n, dtype=torch.bool)
         done[here[settled]] = True

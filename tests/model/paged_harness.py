@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +51,51 @@ class PagedHarness:
         width = max(len(seq.blocks) for seq, _ in work)
         table = torch.tensor([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in work])
         meta = AttentionMetadata.build(starts, seq_lens, table, torch.tensor(slots), self.block_size,
-                                       self.model.decode_kernel)
+                                       self.model.decode_kernel, self.model.prefill_kernel)
         with torch.inference_mode():
             return self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.kv,
                                       torch.tensor([s - 1 for s in starts[1:]]))
+
+
+@dataclass
+class PagedStep:
+    """One step's attention inputs: requests' (cached context, new tokens) over scattered blocks."""
+
+    starts: list[int]  # query_start_loc
+    seq_lens: list[int]
+    block_table: torch.Tensor
+    slots: torch.Tensor
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    key_cache: torch.Tensor  # stale random K/V everywhere this step does not write: it must not leak in
+    value_cache: torch.Tensor
+
+
+def random_paged_step(lengths: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
+                      block_size: int, dtype: torch.dtype, device: str, seed: int) -> PagedStep:
+    """Blocks shuffled over a pool a little larger than needed; the table has one spare padding column."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    per_request = [(c + n + block_size - 1) // block_size for c, n in lengths]
+    num_blocks = sum(per_request) + 5
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(k)] for k in per_request]
+    width = max(per_request) + 1
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    starts, seq_lens, slots = [0], [], []
+    for (context, new), table in zip(lengths, tables):
+        positions = torch.arange(context, context + new)
+        slots.append(torch.tensor(table)[positions // block_size] * block_size + positions % block_size)
+        starts.append(starts[-1] + new)
+        seq_lens.append(context + new)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, device=device).to(dtype)
+
+    tokens = starts[-1]
+    return PagedStep(starts, seq_lens, block_table, torch.cat(slots).to(device), randn(tokens, num_heads, head_dim),
+                     randn(tokens, num_kv_heads, head_dim), randn(tokens, num_kv_heads, head_dim), randn(*shape),
+                     randn(*shape))

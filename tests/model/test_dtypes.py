@@ -44,8 +44,32 @@ def test_explicit_dtypes_are_kept() -> None:
     assert resolve_dtype("float32", "quantized", "cpu", False, BF16_CPU).weights == "bfloat16"
 
 
-def test_auto_off_the_cpu_is_fp32() -> None:
-    assert resolve_dtype("auto", None, "cuda", True, BF16_CPU).weights == "float32"
+def test_auto_on_cuda_is_bf16() -> None:
+    for quantized in (True, False):
+        choice = resolve_dtype("auto", None, "cuda", quantized, PLAIN_CPU)
+        assert (choice.activations, choice.weights) == ("bfloat16", "bfloat16")
+    assert resolve_dtype("auto", None, "cuda:1", False, PLAIN_CPU).activations == "bfloat16"
+    # Explicit choices win; packed int4 has no GPU kernel, so quantized degrades to bf16 there.
+    assert resolve_dtype("float32", None, "cuda", False, PLAIN_CPU).activations == "float32"
+    assert resolve_dtype("float32", "quantized", "cuda", True, PLAIN_CPU).weights == "bfloat16"
+
+
+def test_auto_on_another_device_is_fp32() -> None:
+    assert resolve_dtype("auto", None, "mps", True, BF16_CPU).weights == "float32"
+
+
+def test_device_is_validated() -> None:
+    assert EngineConfig(device="cuda:0").device == "cuda:0"
+    for bad in ("gpu", "cuda:x", "cuda:"):
+        with pytest.raises(ConfigError, match="device must be cpu, cuda or cuda:N"):
+            EngineConfig(device=bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_fails_before_loading(tmp_path: Path) -> None:
+    # The model path does not exist: the device error must come first, naming the problem.
+    with pytest.raises(ConfigError, match="device 'cuda' was asked for, but torch .* use --device cpu"):
+        LLMEngine(build_engine_config(str(tmp_path / "no-model"), device="cuda"))
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:

@@ -40,10 +40,10 @@ def test_serve_defaults_bind_localhost() -> None:
 def test_serve_options_map_to_engine_options() -> None:
     args = build_parser().parse_args(["serve", "--policy", "sjf", "--max-num-seqs", "8", "--max-num-batched-tokens",
                                       "128", "--kv-cache-memory", "512MiB", "--max-waiting", "3",
-                                      "--max-model-len", "256", "--no-prefix-caching"])
+                                      "--max-model-len", "256", "--no-prefix-caching", "--device", "cuda"])
     assert _engine_options(args) == {"policy": "sjf", "max_num_seqs": 8, "max_num_batched_tokens": 128,
                                      "kv_cache_memory_bytes": 512 * 2**20, "max_waiting": 3, "max_model_len": 256,
-                                     "enable_prefix_caching": False}
+                                     "enable_prefix_caching": False, "device": "cuda"}
     with pytest.raises(SystemExit):  # blocks or bytes, not both
         build_parser().parse_args(["serve", "--num-kv-blocks", "10", "--kv-cache-memory", "1GiB"])
 

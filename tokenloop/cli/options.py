@@ -54,10 +54,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=positive_int, help="context length (default: the model's)")
     group.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     group.add_argument("--seed", type=int, help="seed of unseeded sampling")
+    group.add_argument("--device", choices=["cpu", "cuda"], help="where the model runs (default cpu); cuda needs "
+                       "a CUDA build of torch and a GPU, and uses the Triton attention kernels when triton is there")
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
                        help="activations and KV cache (default auto: float32 activations, and weights in the "
                             "fastest form this CPU runs: a quantized GGUF's packed int4 / Q8_0 blocks, or bf16, "
-                            "where it has AVX512-BF16 or AMX; float32 otherwise)")
+                            "where it has AVX512-BF16 or AMX; float32 otherwise; bfloat16 on cuda)")
     group.add_argument("--weight-dtype", choices=["float32", "bfloat16", "quantized"],
                        help="projection weights (default: --dtype, or chosen by auto); bfloat16 halves the bytes "
                             "each step streams; quantized keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks packed for the "
@@ -79,7 +81,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     for name, key in (("max_num_seqs", "max_num_seqs"), ("max_num_batched_tokens", "max_num_batched_tokens"),
                       ("num_kv_blocks", "num_blocks"), ("kv_cache_memory", "kv_cache_memory_bytes"),
                       ("block_size", "block_size"), ("max_model_len", "max_model_len"), ("seed", "seed"),
-                      ("dtype", "dtype"), ("weight_dtype", "weight_dtype"),
+                      ("device", "device"), ("dtype", "dtype"), ("weight_dtype", "weight_dtype"),
                       ("max_waiting", "max_waiting")):
         value = getattr(args, name, None)
         if value is not None:

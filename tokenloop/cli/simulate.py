@@ -332,28 +332,18 @@ class Sweep:
 def calibrate_profile(key: Any, sweep: Sweep, name: str, out: str | None = None) -> dict[str, Any]:
     """Fit this machine's profile for `key` (a CalibrationKey) from a real sweep; the profile document."""
     from tokenloop.sim.cost import fit
+    from tokenloop.sim.profiles import fitted_profile
 
     records, engine = calibration_records(key.model, sweep.batches, sweep.contexts, sweep.decode_tokens,
                                           sweep.seed, key.dtype, key.block_size)
     report = fit(records)
-    return {
-        "name": name, "model": key.model,
-        "hardware": f"this machine ({key.machine}), {engine.dtype_choice.describe()}",
-        "max_model_len": engine.max_model_len, "kv_bytes_per_token": engine.model.kv_bytes_per_block(1),
-        "block_size": engine.kv_cache.block_size,
-        "cost": {"combine": "sum", "coefficients": report.model.as_dict()},
-        "source": sweep.command(key.model, key.dtype, key.block_size, out),
-        "sources": {"coefficients": f"NNLS fit (relative errors) of step durations (end - start) over "
-                                    f"{report.num_steps} of {report.num_records} real steps, the others "
-                                    f"trimmed as outliers; median |relative error| "
-                                    f"{report.median_abs_rel_error:.3f}, mean step "
-                                    f"{report.mean_step_s * 1e3:.1f} ms; measured "
-                                    f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-                    "kv_bytes_per_token": "the loaded model's KV layout (layers x KV heads x head dim x "
-                                          "dtype)"},
-        "fit": {"num_steps": report.num_steps, "num_records": report.num_records,
-                "median_abs_rel_error": report.median_abs_rel_error, "mean_step_s": report.mean_step_s},
-    }
+    document = fitted_profile(name, key.model, f"this machine ({key.machine}), {engine.dtype_choice.describe()}",
+                              engine.max_model_len, engine.model.kv_bytes_per_block(1), engine.kv_cache.block_size,
+                              report, sweep.command(key.model, key.dtype, key.block_size, out),
+                              time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    document["fit"] = {"num_steps": report.num_steps, "num_records": report.num_records,
+                       "median_abs_rel_error": report.median_abs_rel_error, "mean_step_s": report.mean_step_s}
+    return document
 
 
 def calibrated_profile(model: str | None, dtype: str = "auto", block_size: int | None = None,

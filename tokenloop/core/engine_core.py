@@ -30,7 +30,7 @@ from tokenloop.core.recording import gauges, release_infos, step_record
 from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerStats
 from tokenloop.core.speculative import NgramProposer, accept_greedy
 from tokenloop.errors import ConfigError, InvalidRequestError
-from tokenloop.model.dtypes import CpuFeatures, build_model, resolve_dtype
+from tokenloop.model.dtypes import CpuFeatures, build_model, require_device, resolve_dtype
 from tokenloop.model.loader import Checkpoint, load_checkpoint
 from tokenloop.observe.records import ArrivalRecord, ObserverSet, Observes
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
@@ -75,6 +75,7 @@ class EngineCore:
         self.observers = ObserverSet(list(observers))
         block_size = config.cache.block_size
         if stand_in is None:
+            require_device(config.device)
             checkpoint = checkpoint or load_checkpoint(config.model, keep_quantized=True)
             model_config = checkpoint.config
             tokenizer = checkpoint.tokenizer

@@ -44,7 +44,7 @@ def step_record(index: int, times: Sequence[int], schedule: SchedulerOutput, res
               for item in schedule.scheduled]
     return StepRecord(
         index, start, schedule_end, execute_end, sample_end, end, schedule.kv_ns,
-        int(result.forward_s * 1e9) if result is not None else 0, sum(r.end_ns - r.start_ns for r in releases),
+        int(result.forward_seconds * 1e9) if result is not None else 0, sum(r.end_ns - r.start_ns for r in releases),
         schedule.num_batched_tokens, chunks, [r.request_id for r in schedule.preempted],
         [r.request_id for r, _, _ in sampled], [t for _, t, _ in sampled], releases, gauges,
         result.weight_form if result is not None else "",

@@ -7,16 +7,26 @@ layer; a layer only gathers and multiplies.
 
 Requests with one query token (decode) are attended together as one padded batch; requests with
 several (prefill chunks) are attended one by one, since padding a 512-token chunk next to 31 decodes
-would multiply the work.
+would multiply the work. That gather + SDPA path is the reference. Kernels that read K/V in place through
+the block table replace it where they exist: the C++ decode kernel on the CPU (`cpu_kernels.py`), and on
+CUDA the Triton kernel (`triton_attention.py`) for decode rows and, in one launch, all prefill chunks.
+
+Building the metadata reads nothing back from the device: lengths come from the host tensors the runner
+passes, and only index tensors travel to the device.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,6 +56,18 @@ class PrefillSpan:
 
 
 @dataclass
+class PrefillGroup:
+    """All prefill chunks of a step for a kernel that reads the paged cache in place (the Triton kernel)."""
+
+    block_table: torch.Tensor  # [Bp, max_blocks]
+    query_starts: torch.Tensor  # [Bp] int64: each chunk's first row in the flat batch
+    query_lens: torch.Tensor  # [Bp] int64
+    seq_lens: torch.Tensor  # [Bp] int64: context after this step, the chunk included
+    max_query_len: int  # a host number: sizes the launch grid without a device read
+    kernel: ModuleType  # has paged_prefill_attention
+
+
+@dataclass
 class AttentionMetadata:
     """The flat batch's attention layout, shared by every layer of one forward."""
 
@@ -56,6 +78,7 @@ class AttentionMetadata:
     block_size: int
     decode: DecodeGroup | None
     prefills: list[PrefillSpan]
+    prefill_group: PrefillGroup | None = None  # set instead of `prefills` when a prefill kernel runs them
 
     @classmethod
     def build(
@@ -66,18 +89,22 @@ class AttentionMetadata:
         slot_mapping: torch.Tensor,
         block_size: int,
         decode_kernel: ModuleType | None = None,
+        prefill_kernel: ModuleType | None = None,
     ) -> AttentionMetadata:
         """The layout from the step's flat tensors; `query_start_loc` [B+1] and `seq_lens` [B] may be int64
-        tensors (the runner's, built over the batch at once) or lists."""
+        host tensors (the runner's, built over the batch at once) or lists."""
         device = slot_mapping.device
         starts = torch.as_tensor(query_start_loc, dtype=torch.long)
         lens_all = torch.as_tensor(seq_lens, dtype=torch.long)
+        if starts.device.type != "cpu" or lens_all.device.type != "cpu":
+            raise ValueError("query_start_loc and seq_lens must be host tensors or lists (read without a sync)")
         query_lens = starts[1:] - starts[:-1]
         decode_rows = torch.nonzero(query_lens == 1).squeeze(1)
         decode: DecodeGroup | None = None
         if decode_rows.numel():
-            lens = lens_all[decode_rows].to(device)
-            max_blocks = (int(lens.max()) + block_size - 1) // block_size
+            host_lens = lens_all[decode_rows]
+            lens = host_lens.to(device)
+            max_blocks = (int(host_lens.max()) + block_size - 1) // block_size
             blocks = block_table.index_select(0, decode_rows.to(device))[:, :max_blocks]
             blocks = blocks.to(torch.long).contiguous()
             token_index = starts[decode_rows].to(device)
@@ -92,7 +119,15 @@ class AttentionMetadata:
 
         prefills: list[PrefillSpan] = []
         starts_list, lens_list = starts.tolist(), lens_all.tolist()
-        for row in torch.nonzero(query_lens > 1).squeeze(1).tolist():  # prefill chunks are few per step
+        prefill_rows = torch.nonzero(query_lens > 1).squeeze(1)
+        if prefill_kernel is not None and prefill_rows.numel():
+            group = PrefillGroup(
+                block_table=block_table.index_select(0, prefill_rows.to(device)).contiguous(),
+                query_starts=starts[prefill_rows].to(device), query_lens=query_lens[prefill_rows].to(device),
+                seq_lens=lens_all[prefill_rows].to(device), max_query_len=int(query_lens[prefill_rows].max()),
+                kernel=prefill_kernel)
+            return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, [], group)
+        for row in prefill_rows.tolist():  # prefill chunks are few per step
             start, seq_len = starts_list[row], lens_list[row]
             q_len = starts_list[row + 1] - start
             if seq_len == q_len:  # nothing cached before this chunk: attend over the new K/V directly
@@ -104,6 +139,17 @@ class AttentionMetadata:
             mask = positions[None, :] <= query_pos[:, None]
             prefills.append(PrefillSpan(start, start + q_len, slots, mask))
         return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, prefills)
+
+
+def triton_attention_kernels() -> ModuleType | None:
+    """The Triton kernel module (`triton_attention`), or None without triton or with TOKENLOOP_TRITON=0."""
+    if os.environ.get("TOKENLOOP_TRITON", "1") == "0":
+        return None
+    try:
+        return importlib.import_module("tokenloop.model.triton_attention")
+    except ImportError as exc:
+        logger.warning("Triton attention unavailable (%s); using gather + SDPA", exc)
+        return None
 
 
 def write_kv(
@@ -159,6 +205,10 @@ def paged_attention(
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=d.mask, scale=scale)
         output.index_copy_(0, d.token_index, attended.reshape(batch, num_heads, head_dim))
 
+    if meta.prefill_group is not None:
+        p = meta.prefill_group
+        p.kernel.paged_prefill_attention(query, key_cache, value_cache, p.block_table, p.query_starts,
+                                         p.query_lens, p.seq_lens, p.max_query_len, scale, output)
     flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
     flat_values = value_cache.view(-1, num_kv_heads, head_dim)
     for span in meta.prefills:

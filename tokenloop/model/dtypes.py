@@ -7,6 +7,9 @@ and KV precision is what long contexts are sensitive to) and picks the projectio
   for the int4 / Q8_0 kernels for small batches, plus a dense copy for large ones (`quantized`);
 - any other checkpoint on such a CPU: bf16 weights (half the bytes, native bf16 dot products);
 - otherwise float32: without native bf16 every bf16 / int4 GEMM converts in software (not measured here).
+
+On CUDA `auto` is bf16 throughout (activations, KV cache, weights): tensor cores run bf16 natively and the
+KV cache's bytes are what decode streams. A quantized GGUF is dequantized to bf16 there (no int4 GPU kernels).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 
 from tokenloop.config import ModelConfig
+from tokenloop.errors import ConfigError
 from tokenloop.model.llama import LlamaModel
 from tokenloop.model.quantized import GGMLTensor
 
@@ -76,6 +80,8 @@ def resolve_dtype(dtype: str, weight_dtype: str | None, device: str, quantized_c
     if weight_dtype is not None:
         return DtypeChoice("float32", _check_quantized(weight_dtype, on_cpu, quantized_checkpoint),
                            "weights as configured")
+    if torch.device(device).type == "cuda":
+        return DtypeChoice("bfloat16", "bfloat16", f"auto on {device}: bf16 activations, KV cache and weights")
     if not on_cpu:
         return DtypeChoice("float32", "float32", f"auto on {device}: no CPU kernels to choose from")
     if not features.native_bf16:
@@ -85,6 +91,19 @@ def resolve_dtype(dtype: str, weight_dtype: str | None, device: str, quantized_c
                            "auto: quantized GGUF on a CPU with native bf16: packed int4 / Q8_0 for small "
                            "batches, bf16 for large ones")
     return DtypeChoice("float32", "bfloat16", "auto: float checkpoint on a CPU with native bf16")
+
+
+def require_device(device: str) -> None:
+    """Raise ConfigError now, before any weight is loaded, if `device` cannot run here."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        build = f"torch {torch.__version__} " + ("has no CUDA support" if torch.version.cuda is None
+                                                 else "sees no CUDA device")
+        raise ConfigError(f"device {device!r} was asked for, but {build}; use --device cpu")
+    if kind == "cuda":
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _check_quantized(weights: str, on_cpu: bool, quantized_checkpoint: bool) -> str:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from tokenloop.config import ModelConfig, RopeScaling
 from tokenloop.errors import ModelLoadError
-from tokenloop.model.attention import AttentionMetadata, paged_attention
+from tokenloop.model.attention import AttentionMetadata, paged_attention, triton_attention_kernels
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.quantized import (GGMLTensor, PackedLinear, PackThresholds, Q8Weight, QType,
                                        QuantizedEmbedding, dense_weight, pack_linear)
@@ -135,9 +136,14 @@ class LlamaModel:
         self.dtype = final_norm.dtype  # activations and KV cache
         self.last_weight_form = self.weight_form(1)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        # The in-place decode kernel exists for float32 on the CPU only; elsewhere SDPA does the work.
-        self.decode_kernel = (paged_decode_kernels() if use_cpu_kernels and self.device.type == "cpu"
-                              and self.dtype == torch.float32 else None)
+        # Kernels that read K/V in place: C++ for decode on the CPU in float32, Triton on CUDA for decode and
+        # prefill; elsewhere (or with use_kernels off) the gather + SDPA reference does the work.
+        self.decode_kernel: ModuleType | None = None
+        self.prefill_kernel: ModuleType | None = None
+        if use_cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
+            self.decode_kernel = paged_decode_kernels()
+        elif use_cpu_kernels and self.device.type == "cuda":
+            self.decode_kernel = self.prefill_kernel = triton_attention_kernels()
         positions = torch.arange(max_positions, dtype=torch.float32, device=self.device)
         angles = torch.outer(positions, inv_freq.to(self.device))
         self.rope_cos = angles.cos().to(self.dtype)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenloop.errors import TokenloopError
-from tokenloop.sim.cost import StepCostModel
+from tokenloop.sim.cost import FitReport, StepCostModel
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -184,3 +184,21 @@ def write_cached_profile(key: CalibrationKey, document: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps({**document, "calibration": key.as_dict()}, indent=1) + "\n", encoding="utf-8")
     tmp.replace(path)  # a reader never sees half a file
     return path
+
+
+def fitted_profile(name: str, model: str, hardware: str, max_model_len: int, kv_bytes_per_token: int,
+                   block_size: int, report: FitReport, command: str, measured: str) -> dict[str, Any]:
+    """A profile's JSON from a fit of real steps (`tokenloop simulate calibrate`, scripts/device_check.py)."""
+    return {
+        "name": name, "model": model, "hardware": hardware,
+        "max_model_len": max_model_len, "kv_bytes_per_token": kv_bytes_per_token, "block_size": block_size,
+        "cost": {"combine": "sum", "coefficients": report.model.as_dict()},
+        "source": command,
+        "sources": {"coefficients": f"NNLS fit (relative errors) of step durations (end - start) over "
+                                    f"{report.num_steps} of {report.num_records} real steps, the others "
+                                    f"trimmed as outliers; median |relative error| "
+                                    f"{report.median_abs_rel_error:.3f}, mean step "
+                                    f"{report.mean_step_s * 1e3:.1f} ms; measured {measured}",
+                    "kv_bytes_per_token": "the loaded model's KV layout (layers x KV heads x head dim x "
+                                          "dtype)"},
+    }

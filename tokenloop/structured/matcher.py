@@ -111,6 +111,11 @@ class BitmaskApplier:
         # second thread, which costs more than the whole masking (bit k of word w is token 32 w + k).
         allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
         allowed = allowed[:, :logits.shape[1]].view(np.bool_)
+        if logits.device.type != "cpu":  # the mask goes to the logits, not the logits to the host
+            allowed_rows = torch.from_numpy(allowed).to(logits.device)
+            out = logits.clone()
+            out[rows] = logits[rows].masked_fill(~allowed_rows, _NEG_INF)
+            return out
         source = logits.numpy()
         if len(rows) == logits.shape[0]:
             return torch.from_numpy(np.where(allowed, source, np.float32(_NEG_INF)))
