@@ -76,18 +76,21 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--disable-by-batch-size", type=int, help="no drafts while this many requests run")
     args = parser.parse_args()
     checkpoint = load_checkpoint("smollm2-135m-instruct", keep_quantized=True)
     options = dict(checkpoint=checkpoint, dtype=args.dtype, max_num_seqs=8, max_num_batched_tokens=512)
     engines = {"plain": LLM(**options),
-               "spec": LLM(**options, speculative=SpeculativeConfig(num_speculative_tokens=args.k))}
+               "spec": LLM(**options, speculative=SpeculativeConfig(
+                   num_speculative_tokens=args.k, disable_by_batch_size=args.disable_by_batch_size))}
     drafts = Drafts()
     engines["spec"].engine.add_observer(drafts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     prompts_by_name = workloads(engines["plain"].get_tokenizer())
     for llm in engines.values():  # warm-up: first-call costs out of the timings
         llm.generate(prompts_by_name["chat"][:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    print(f"dtype={args.dtype} k={args.k} max_tokens={args.max_tokens} repeats={args.repeats}")
+    print(f"dtype={args.dtype} k={args.k} max_tokens={args.max_tokens} repeats={args.repeats} "
+          f"disable_by_batch_size={args.disable_by_batch_size}")
     print(f"{'workload':8} {'batch':>5} {'mode':5} {'out tok/s':>10} {'latency s':>10} {'accept':>7} "
           f"{'tok/row':>7} {'mismatch':>8}")
     for name, prompts in prompts_by_name.items():

@@ -142,6 +142,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    # No drafts in a step while at least this many requests run (vLLM's name): verifying k drafts per row
+    # makes a batch k+1 times wider, which on a CPU costs more than rejected drafts save (BENCHMARKS.md).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.method in SPECULATIVE_METHODS,
@@ -149,6 +152,8 @@ class SpeculativeConfig:
         _require(self.num_speculative_tokens > 0,
                  f"num_speculative_tokens must be > 0, got {self.num_speculative_tokens}")
         _require(self.prompt_lookup_min > 0, f"prompt_lookup_min must be > 0, got {self.prompt_lookup_min}")
+        _require(self.disable_by_batch_size is None or self.disable_by_batch_size >= 2,
+                 f"disable_by_batch_size must be >= 2 (1 would never draft), got {self.disable_by_batch_size}")
         _require(self.prompt_lookup_max >= self.prompt_lookup_min,
                  f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
                  f"({self.prompt_lookup_min})")

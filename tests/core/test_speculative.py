@@ -22,7 +22,7 @@ from tokenloop.core.speculative import (
 )
 from tokenloop.errors import ConfigError
 from tokenloop.llm import build_engine_config
-from tokenloop.request import Request, SamplingParams
+from tokenloop.request import Request, RequestStatus, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 SHORT = SamplingParams(temperature=0.0, max_tokens=8)  # fits the small pools below
@@ -95,6 +95,7 @@ def test_proposer_caps_drafts_and_skips_ineligible_requests() -> None:
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be > 0"),
     ({"prompt_lookup_min": 0}, "prompt_lookup_min must be > 0"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max (2) must be >= prompt_lookup_min (3)"),
+    ({"disable_by_batch_size": 1}, "disable_by_batch_size must be >= 2 (1 would never draft), got 1"),
 ])
 def test_speculative_config_names_the_bad_field(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -124,6 +125,10 @@ def test_cli_flags_turn_speculation_on_and_refuse_lookup_sizes_alone() -> None:
         num_speculative_tokens=6, prompt_lookup_max=5)
     with pytest.raises(ConfigError, match="need speculative decoding on"):
         _cli("--prompt-lookup-max", "3")
+    with pytest.raises(ConfigError, match="need speculative decoding on"):
+        _cli("--speculative-disable-by-batch-size", "4")
+    assert _cli("--speculative-method", "ngram", "--speculative-disable-by-batch-size", "4")["speculative"] == (
+        SpeculativeConfig(disable_by_batch_size=4))
     with pytest.raises(ConfigError, match="prompt_lookup_max"):
         _cli("--num-speculative-tokens", "2", "--prompt-lookup-min", "5")
 
@@ -133,18 +138,22 @@ def test_cli_flags_turn_speculation_on_and_refuse_lookup_sizes_alone() -> None:
 class FixedProposer:
     """Proposes the same drafts for every request (the scheduler's side does not care what they are)."""
 
-    def __init__(self, drafts: list[int]) -> None:
+    def __init__(self, drafts: list[int], disable_by_batch_size: int | None = None) -> None:
         self.drafts = drafts
+        self.limit = NgramProposer(SpeculativeConfig(disable_by_batch_size=disable_by_batch_size))
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
         return self.drafts[:max_drafts]
 
+    def drafts_allowed(self, num_running: int) -> bool:
+        return self.limit.drafts_allowed(num_running)
+
 
 def _scheduler(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 8, drafts: list[int] | None = None,
-               ) -> Scheduler:
+               disable_by_batch_size: int | None = None) -> Scheduler:
     kv = KVCacheManager(num_blocks, 4)
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget), kv, 1024,
-                     proposer=FixedProposer(drafts if drafts is not None else [7, 7, 7]))
+                     proposer=FixedProposer(drafts if drafts is not None else [7, 7, 7], disable_by_batch_size))
 
 
 def _step(scheduler: Scheduler, accept: dict[str, int] | None = None) -> list:
@@ -218,3 +227,16 @@ def test_drafts_never_preempt_nor_evict_and_blocks_stay_exact() -> None:
     live = scheduler.running_requests() + scheduler.waiting_requests()
     scheduler.kv_cache.check_invariants(live)
     assert [r.num_computed_tokens for r in live] == [8, 8]
+
+
+def test_no_drafts_while_the_batch_reaches_disable_by_batch_size() -> None:
+    scheduler = _scheduler(budget=64, disable_by_batch_size=3)
+    for rid in "ab":
+        scheduler.add_request(_request(GREEDY, list(range(8)), rid))
+    _step(scheduler)  # the prefills
+    assert all(i.draft_token_ids == [7, 7, 7] for i in _step(scheduler))  # 2 running: below the limit
+    scheduler.add_request(_request(GREEDY, list(range(100, 108)), "c"))
+    _step(scheduler)  # c's prefill: 3 running from now on
+    assert [list(i.draft_token_ids) for i in _step(scheduler)] == [[], [], []]
+    scheduler.finish_request("c", RequestStatus.FINISHED_ABORTED)
+    assert all(i.draft_token_ids == [7, 7, 7] for i in _step(scheduler))  # back to 2: drafting again

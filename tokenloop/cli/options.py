@@ -74,6 +74,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                       help=f"shortest n-gram matched (default {SpeculativeConfig.prompt_lookup_min})")
     spec.add_argument("--prompt-lookup-max", type=positive_int,
                       help=f"longest n-gram matched (default {SpeculativeConfig.prompt_lookup_max})")
+    spec.add_argument("--speculative-disable-by-batch-size", type=positive_int, dest="disable_by_batch_size",
+                      help="no drafts in a step while at least this many requests run (default: always draft)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -98,11 +100,13 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """The speculative flags as a config; None when none is given; ConfigError for a bad combination."""
     method = getattr(args, "speculative_method", None)
     num = getattr(args, "num_speculative_tokens", None)
-    lookup = {key: getattr(args, key, None) for key in ("prompt_lookup_min", "prompt_lookup_max")}
+    lookup = {key: getattr(args, key, None)
+              for key in ("prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")}
     lookup = {key: value for key, value in lookup.items() if value is not None}
     if method is None and num is None:
         if lookup:
-            raise ConfigError("--prompt-lookup-min/--prompt-lookup-max need speculative decoding on "
+            raise ConfigError("--prompt-lookup-min/--prompt-lookup-max/--speculative-disable-by-batch-size need "
+                              "speculative decoding on "
                               "(--speculative-method ngram or --num-speculative-tokens K)")
         return None
     options: dict[str, Any] = {"method": method or "ngram", **lookup}

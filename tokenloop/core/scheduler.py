@@ -416,6 +416,7 @@ class Scheduler:
         # Drafts only from what is left over: none in a step that preempted, nor while a waiting request
         # is held back for want of blocks (the free blocks are its).
         if (self.proposer is not None and budget > 0 and not output.preempted
+                and self.proposer.drafts_allowed(len(self._running))
                 and (not self._waiting or len(self._running) >= self.config.max_num_seqs)):
             output.num_draft_tokens, draft_kv_ns = self._add_drafts(output.scheduled, budget)
             budget -= output.num_draft_tokens

@@ -88,12 +88,20 @@ class DraftProposer(Protocol):
 
     def propose(self, request: Request, max_drafts: int) -> list[int]: ...
 
+    def drafts_allowed(self, num_running: int) -> bool:
+        """Whether a step with `num_running` running requests drafts at all."""
+        ...
+
 
 class NgramProposer:
     """Draft tokens for a decoding request from its own n-grams."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+
+    def drafts_allowed(self, num_running: int) -> bool:
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running < limit
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
         """At most min(k, max_drafts) draft tokens to follow the request's tokens; [] when it may not draft."""
