@@ -120,6 +120,9 @@ class OracleProposer:
         self.k = k
         self.rng = random.Random(seed)
 
+    def drafts_allowed(self, num_running: int) -> bool:
+        return True
+
     def propose(self, request: Request, max_drafts: int) -> list[int]:
         if not can_speculate(request):
             return []
