@@ -240,3 +240,29 @@ def test_no_drafts_while_the_batch_reaches_disable_by_batch_size() -> None:
     assert [list(i.draft_token_ids) for i in _step(scheduler)] == [[], [], []]
     scheduler.finish_request("c", RequestStatus.FINISHED_ABORTED)
     assert all(i.draft_token_ids == [7, 7, 7] for i in _step(scheduler))  # back to 2: drafting again
+
+
+def test_outright_rejections_back_off_and_an_acceptance_ends_the_wait() -> None:
+    index = NgramIndex(1, 4)
+    tokens = [1, 2, 3, 1, 2]
+    for wait in (1, 2, 4, 8, 16, 16):  # each proposal rejected outright doubles the wait, up to 16 steps
+        index.remember([3], len(tokens))
+        tokens.append(7)  # the model's token was 7, not the draft
+        index.settle(tokens)
+        assert index.cooldown == wait
+        index.cooldown = 0
+    index.remember([3, 1], len(tokens))
+    tokens += [3, 9]  # the first draft accepted
+    index.settle(tokens)
+    assert (index.backoff, index.cooldown) == (0, 0)
+
+
+def test_a_request_cooling_down_proposes_nothing_until_its_wait_is_over() -> None:
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=2))
+    request = _request(GREEDY, [1, 2, 3, 1, 2])
+    assert proposer.propose(request, 10) == [3, 1]
+    request.append_output_token(5)  # rejected outright: one step without drafts
+    request.append_output_token(1)
+    request.append_output_token(2)
+    assert proposer.propose(request, 10) == []
+    assert proposer.propose(request, 10) == [5, 1]  # the wait is over; the latest "1 2" was followed by 5
