@@ -9,10 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import write_tiny_llama
+from tests.model.test_loader import write_tiny_gguf
 from tokenloop.model.attention import AttentionMetadata, write_kv
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.llama import LlamaModel, apply_rope
 from tokenloop.model.loader import load_checkpoint
+from tokenloop.model.quantized import QType
 
 kernels = paged_decode_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not hasattr(kernels, "add_rms_norm"),
@@ -138,3 +140,60 @@ def test_layers_the_kernels_cannot_read_keep_the_op_path(tiny_checkpoint) -> Non
     assert fp16.fused_ops is None
     no_kernels = LlamaModel.from_weights(tiny_checkpoint.config, tiny_checkpoint.weights, use_cpu_kernels=False)
     assert no_kernels.fused_ops is None
+
+
+def _decode_twice(model: LlamaModel, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One pure decode step of `batch` sequences with ragged contexts, run by the C++ layer loop and by the
+    Python one on copies of the same cache: (logits, stacked KV cache) of each."""
+    block_size, blocks_each = 4, 4
+    gen = torch.Generator().manual_seed(batch)
+    kv = model.allocate_kv_cache(batch * blocks_each, block_size)
+    table = torch.arange(batch * blocks_each).view(batch, blocks_each)
+    contexts = torch.randint(1, block_size * blocks_each - 1, (batch,), generator=gen)
+    for row, context in enumerate(contexts.tolist()):
+        pos = torch.arange(context)
+        slots = table[row, pos // block_size] * block_size + pos % block_size
+        meta = AttentionMetadata.build([0, context], [context], table[row:row + 1], slots, block_size)
+        model.forward(torch.randint(model.config.vocab_size, (context,), generator=gen), pos, meta, kv)
+    slots = table[torch.arange(batch), contexts // block_size] * block_size + contexts % block_size
+    meta = AttentionMetadata.build(list(range(batch + 1)), (contexts + 1).tolist(), table, slots, block_size,
+                                   model.decode_kernel)
+    ids = torch.randint(model.config.vocab_size, (batch,), generator=gen)
+    results = []
+    for in_cpp in (True, False):
+        model.fused_decode = in_cpp
+        cache = [(k.clone(), v.clone()) for k, v in kv]
+        logits = model.forward(ids, contexts, meta, cache)
+        results.append((logits, torch.stack([torch.stack(pair) for pair in cache])))
+    model.fused_decode = True
+    return results
+
+
+@pytest.mark.parametrize("form", ["float32", "bfloat16", "q4_1"])
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_decode_layers_in_cpp_equal_the_python_layer_loop(tiny_checkpoint, tiny_model_dir, tmp_path, form: str,
+                                                          batch: int) -> None:
+    """A pure decode step through `decode_layers` (all layers in one C++ call) gives bit-identical logits and
+    KV cache to the Python loop over the same kernels: for dense fp32 and bf16 weights, and for int4 packs
+    (<= 16 rows) and their bf16 copies (17 rows)."""
+    if form == "q4_1":
+        kept = load_checkpoint(str(write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", QType.Q4_1)),
+                               keep_quantized=True)
+        model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True)
+    else:
+        model = LlamaModel.from_weights(tiny_checkpoint.config, tiny_checkpoint.weights,
+                                        weight_dtype=getattr(torch, form))
+    assert model.fused_decode and model.decode_plan(batch) is not None  # the C++ loop really runs
+    (cpp_logits, cpp_kv), (py_logits, py_kv) = _decode_twice(model, batch)
+    assert torch.equal(cpp_logits, py_logits)
+    assert torch.equal(cpp_kv, py_kv)
+
+
+def test_decode_layers_leave_forms_they_cannot_run_to_python(tiny_model_dir, tmp_path) -> None:
+    """Q8_0 layer packs have no path in the C++ loop: the plan is None and the step still decodes, in Python."""
+    kept = load_checkpoint(str(write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", QType.Q8_0)),
+                           keep_quantized=True)
+    model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True)
+    assert model.fused_decode and model.decode_plan(2) is None
+    (first, _), (second, _) = _decode_twice(model, 2)
+    assert torch.equal(first, second) and torch.isfinite(first).all()

@@ -28,7 +28,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_decode_attention.cpp", "q8_0_matmul.cpp", "fused_layer_ops.cpp")]
+            for name in ("paged_decode_attention.cpp", "q8_0_matmul.cpp", "fused_layer_ops.cpp",
+                          "decode_layers.cpp")]
 _NAME = "tokenloop_paged_decode_attention"
 # -march=native is safe: the build runs on the machine that will run it (the hash names the CPU model).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]

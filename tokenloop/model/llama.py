@@ -19,7 +19,7 @@ from tokenloop.config import ModelConfig, RopeScaling
 from tokenloop.errors import ModelLoadError
 from tokenloop.model.attention import AttentionMetadata, paged_attention, triton_attention_kernels
 from tokenloop.model.cpu_kernels import paged_decode_kernels
-from tokenloop.model.quantized import (GGMLTensor, PackedLinear, PackThresholds, Q8Weight, QType,
+from tokenloop.model.quantized import (GGMLTensor, Int4Weight, PackedLinear, PackThresholds, Q8Weight, QType,
                                        QuantizedEmbedding, dense_weight, pack_linear)
 
 Weight = torch.Tensor | PackedLinear  # a projection matrix in whichever form it runs
@@ -102,6 +102,35 @@ class LMHead:
         return torch._C._nn.mkldnn_linear(hidden.contiguous().to_mkldnn(), self._packed, None).to_dense()
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """The flat argument lists the C++ `decode_layers` takes, for the weight forms of one row count: per layer
+    the two norm weights, and per projection its matrix (int4 pack or dense) and the int4 scales and zeros
+    (an empty tensor for a dense matrix)."""
+
+    norms: list[torch.Tensor]
+    matrices: list[torch.Tensor]
+    scales_zeros: list[torch.Tensor]
+
+
+_NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales_zeros
+
+
+def decode_projection(weight: Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(matrix, scales_zeros) of the form `weight` runs for `rows` rows, when `decode_layers` can run it the way
+    `project` does; None otherwise (a Q8_0 pack, a padded int4 pack, an fp16 or oneDNN matrix)."""
+    if isinstance(weight, PackedLinear):
+        if weight.dense is None or rows <= weight.packed_max_rows:
+            pack = weight.packed
+            unpadded = (isinstance(pack, Int4Weight) and pack.packed.shape[0] == pack.out_features
+                        and pack.packed.shape[1] * 2 == pack.in_features)
+            return (pack.packed, pack.scales_zeros) if unpadded else None  # type: ignore[union-attr]
+        weight = weight.dense
+        if weight.is_mkldnn:
+            return None
+    return (weight, _NO_SCALES) if weight.dtype in (torch.float32, torch.bfloat16) else None
+
+
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
@@ -151,6 +180,9 @@ class LlamaModel:
         # The fused elementwise kernels (csrc/fused_layer_ops.cpp) replace ~150 small ops a layer with ~10;
         # they read fp32 or bf16 GEMM outputs, so layers with an fp16 matrix or a QKV bias keep the op path.
         self.fused_ops = self.decode_kernel if self.decode_kernel is not None and self._fusable() else None
+        # A pure decode step runs all layers in one C++ call (csrc/decode_layers.cpp), planned per row count.
+        self.fused_decode = self.fused_ops is not None and hasattr(self.fused_ops, "decode_layers")
+        self._decode_plans: dict[int, DecodePlan | None] = {}
 
     def _fusable(self) -> bool:
         forms = (torch.float32, torch.bfloat16)
@@ -158,6 +190,23 @@ class LlamaModel:
             layer.qkv_bias is None and all(isinstance(w, PackedLinear) or w.dtype in forms
                                            for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
             for layer in self.layers)
+
+    def decode_plan(self, rows: int) -> DecodePlan | None:
+        """The `decode_layers` arguments for a pure decode step of `rows` sequences, or None where some
+        projection's form for that many rows is one the C++ loop does not run."""
+        if rows not in self._decode_plans:
+            norms, matrices, scales_zeros = [], [], []
+            for layer in self.layers:
+                norms += [layer.input_norm, layer.post_attention_norm]
+                for weight in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                    form = decode_projection(weight, rows)
+                    if form is None:
+                        self._decode_plans[rows] = None
+                        return None
+                    matrices.append(form[0])
+                    scales_zeros.append(form[1])
+            self._decode_plans[rows] = DecodePlan(norms, matrices, scales_zeros)
+        return self._decode_plans[rows]
 
     @classmethod
     def from_weights(
@@ -310,6 +359,21 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         positions = positions.contiguous()
         hidden = self.embed.index_select(0, input_ids).contiguous()  # the fp32 residual stream, updated in place
+        decode = attn.decode
+        plan = None
+        if self.fused_decode and decode is not None and decode.kernel is not None \
+                and decode.token_index.shape[0] == num_tokens:
+            plan = self.decode_plan(num_tokens)
+        if plan is not None:  # a pure decode step: the same sequence of kernels, with no Python between layers
+            assert decode is not None
+            final = torch.empty(num_tokens, cfg.hidden_size)
+            ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales_zeros,
+                              [cache for pair in kv_caches for cache in pair], positions, self.rope_cos,
+                              self.rope_sin, attn.slot_mapping, decode.block_table, decode.seq_lens, cfg.num_heads,
+                              cfg.num_kv_heads, cfg.head_dim, self.scale, cfg.rms_norm_eps, self.final_norm, final)
+            if logits_indices is not None:
+                final = final.index_select(0, logits_indices)
+            return self.lm_head(final)
         delta = torch.empty(0)  # the previous layer's MLP output, added inside the next norm
         q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim)
         k = torch.empty(num_tokens, cfg.num_kv_heads, cfg.head_dim)

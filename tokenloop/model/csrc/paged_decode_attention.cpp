@@ -97,6 +97,13 @@ void silu_mul(const torch::Tensor& gate_up, torch::Tensor& out);
 void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
                    const torch::Tensor& sin, const torch::Tensor& slots, torch::Tensor& key_cache,
                    torch::Tensor& value_cache, torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out);
+// decode_layers.cpp
+void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
+                   const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales_zeros,
+                   std::vector<torch::Tensor>& kv_caches, const torch::Tensor& positions, const torch::Tensor& cos,
+                   const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_table,
+                   const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   double scale, double eps, const torch::Tensor& final_norm, torch::Tensor& final_out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
@@ -104,4 +111,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; out = RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up");
   m.def("rope_write_kv", &rope_write_kv, "rotate Q/K, store K/V at their slots");
+  // Runs for the whole step's forward: other Python threads (the engine core's I/O) must not wait on it.
+  m.def("decode_layers", &decode_layers, "all decoder layers of a pure decode step",
+        py::call_guard<py::gil_scoped_release>());
 }

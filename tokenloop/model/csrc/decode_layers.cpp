@@ -1,0 +1,91 @@
+// Every decoder layer of a pure decode step in one call, for the CPU.
+//
+// At one decode token a layer is four GEMMs of ~30-130 us and seven small kernels, and the Python between
+// them (the layer loop, dtype choices, allocations, ~40 dispatches a layer) cost as much as the kernels
+// themselves. This runs the same sequence as `LlamaModel._forward_fused` (the same kernels, in the same
+// order, so the results are bit for bit the same) without returning to Python between layers.
+// Only pure decode steps come here: one query token per sequence, attended by `paged_decode_attention`.
+#include <torch/extension.h>
+
+#include <vector>
+
+// paged_decode_attention.cpp and fused_layer_ops.cpp
+void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
+                            const torch::Tensor& value_cache, const torch::Tensor& block_table,
+                            const torch::Tensor& seq_lens, double scale, torch::Tensor& out);
+void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                  torch::Tensor& out);
+void silu_mul(const torch::Tensor& gate_up, torch::Tensor& out);
+void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                   const torch::Tensor& sin, const torch::Tensor& slots, torch::Tensor& key_cache,
+                   torch::Tensor& value_cache, torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out);
+
+namespace {
+
+constexpr int64_t kProjectionsPerLayer = 4;  // qkv, o_proj, gate_up, down
+constexpr int64_t kInt4GroupSize = 32;
+
+// One projection as the caller chose it for this step's row count: torch's int4 pack with its scales and
+// zeros, or a dense matrix (bf16 or float32) multiplied by at::linear.
+struct Projection {
+  const torch::Tensor& matrix;
+  const torch::Tensor& scales_zeros;  // empty for a dense matrix
+  bool int4() const { return scales_zeros.numel() > 0; }
+  c10::ScalarType input_dtype() const { return int4() ? torch::kBFloat16 : matrix.scalar_type(); }
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (int4()) return at::_weight_int4pack_mm_for_cpu(x, matrix, kInt4GroupSize, scales_zeros);
+    return at::linear(x, matrix);
+  }
+};
+
+}  // namespace
+
+// hidden [T, H] float32: the residual stream after the embedding, updated in place; final_out [T, H] float32
+// receives RMSNorm(hidden + last MLP output) * final_norm. norms: per layer input and post-attention norm
+// weights (2L, float32 [H]). matrices / scales_zeros: per layer qkv, o_proj, gate_up, down (4L); an empty
+// scales_zeros entry marks a dense matrix. kv_caches: per layer K then V (2L). positions, slots [T]
+// int64; cos, sin [P, D/2]; block_table [T, max_blocks], seq_lens [T] int64 (the decode group's).
+void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
+                   const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales_zeros,
+                   std::vector<torch::Tensor>& kv_caches, const torch::Tensor& positions, const torch::Tensor& cos,
+                   const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_table,
+                   const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   double scale, double eps, const torch::Tensor& final_norm, torch::Tensor& final_out) {
+  const int64_t layers = static_cast<int64_t>(norms.size()) / 2;
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
+                  static_cast<int64_t>(matrices.size()) == kProjectionsPerLayer * layers &&
+                  scales_zeros.size() == matrices.size() && static_cast<int64_t>(kv_caches.size()) == 2 * layers,
+              "decode_layers: expected 2 norms, 4 projections and a K/V pair per layer");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32,
+              "decode_layers: hidden must be float32 [T, H]");
+  const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
+  TORCH_CHECK(block_table.size(0) == tokens && seq_lens.numel() == tokens,
+              "decode_layers: one sequence per token expected (a pure decode step)");
+  const auto f32 = hidden.options();
+  torch::Tensor q = torch::empty({tokens, num_heads, head_dim}, f32);
+  torch::Tensor k = torch::empty({tokens, num_kv_heads, head_dim}, f32);
+  torch::Tensor v = torch::empty_like(k);
+  torch::Tensor attended = torch::empty({tokens, num_heads, head_dim}, f32);
+  torch::Tensor delta = torch::empty({0}, f32);  // the previous layer's MLP output, added inside the next norm
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const int64_t w = layer * kProjectionsPerLayer;
+    const Projection qkv{matrices[w], scales_zeros[w]}, o_proj{matrices[w + 1], scales_zeros[w + 1]};
+    const Projection gate_up{matrices[w + 2], scales_zeros[w + 2]}, down{matrices[w + 3], scales_zeros[w + 3]};
+    torch::Tensor& key_cache = kv_caches[2 * layer];
+    torch::Tensor& value_cache = kv_caches[2 * layer + 1];
+
+    torch::Tensor normed = torch::empty({tokens, hidden_size}, f32.dtype(qkv.input_dtype()));
+    add_rms_norm(hidden, delta, norms[2 * layer], eps, normed);
+    torch::Tensor qkv_out = qkv(normed).contiguous();
+    rope_write_kv(qkv_out, positions, cos, sin, slots, key_cache, value_cache, q, k, v);
+    paged_decode_attention(q, key_cache, value_cache, block_table, seq_lens, scale, attended);
+    torch::Tensor o_out = o_proj(attended.view({tokens, num_heads * head_dim}).to(o_proj.input_dtype())).contiguous();
+    normed = torch::empty({tokens, hidden_size}, f32.dtype(gate_up.input_dtype()));
+    add_rms_norm(hidden, o_out, norms[2 * layer + 1], eps, normed);
+    torch::Tensor gate_up_out = gate_up(normed).contiguous();
+    torch::Tensor activated = torch::empty({tokens, gate_up_out.size(1) / 2}, f32.dtype(down.input_dtype()));
+    silu_mul(gate_up_out, activated);
+    delta = down(activated).contiguous();
+  }
+  add_rms_norm(hidden, delta, final_norm, eps, final_out);
+}
