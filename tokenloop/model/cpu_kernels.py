@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_attention.cpp", "q8_0_matmul.cpp", "fused_layer_ops.cpp",
                           "decode_layers.cpp")]
+_HEADERS = [Path(__file__).parent / "csrc" / "cpu_kernels.h"]  # hashed with the sources: a change rebuilds
 _NAME = "tokenloop_paged_decode_attention"
 # -march=native is safe: the build runs on the machine that will run it (the hash names the CPU model).
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -40,7 +41,7 @@ def kernel_build_dir() -> Path:
     """Where this source version's build lives."""
     base = Path(os.environ.get("TOKENLOOP_CACHE_DIR", Path.home() / ".cache" / "tokenloop")) / "kernels"
     digest = hashlib.sha256()
-    parts = [source.read_bytes() for source in _SOURCES]
+    parts = [source.read_bytes() for source in _SOURCES + _HEADERS]
     parts += [" ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(), sys.version.encode(),
               os.uname().machine.encode(), _cpu_model().encode()]
     for part in parts:

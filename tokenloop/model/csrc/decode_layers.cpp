@@ -5,20 +5,11 @@
 // themselves. This runs the same sequence as `LlamaModel._forward_fused` (the same kernels, in the same
 // order, so the results are bit for bit the same) without returning to Python between layers.
 // Only pure decode steps come here: one query token per sequence, attended by `paged_decode_attention`.
+#include "cpu_kernels.h"
+
 #include <torch/extension.h>
 
 #include <vector>
-
-// paged_decode_attention.cpp and fused_layer_ops.cpp
-void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
-                            const torch::Tensor& value_cache, const torch::Tensor& block_table,
-                            const torch::Tensor& seq_lens, double scale, torch::Tensor& out);
-void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
-                  torch::Tensor& out);
-void silu_mul(const torch::Tensor& gate_up, torch::Tensor& out);
-void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
-                   const torch::Tensor& sin, const torch::Tensor& slots, torch::Tensor& key_cache,
-                   torch::Tensor& value_cache, torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out);
 
 namespace {
 

@@ -3,6 +3,8 @@
 // The torch fallback must first gather every sequence's blocks into a padded tensor and then read it
 // again in SDPA, roughly tripling the K/V memory traffic that dominates long-context decode on CPU.
 // This kernel reads each cached K/V row once, in place, through the block table.
+#include "cpu_kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -86,24 +88,6 @@ void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key
     }
   });
 }
-
-// q8_0_matmul.cpp
-void q8_0_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                 torch::Tensor& out);
-// fused_layer_ops.cpp
-void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
-                  torch::Tensor& out);
-void silu_mul(const torch::Tensor& gate_up, torch::Tensor& out);
-void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
-                   const torch::Tensor& sin, const torch::Tensor& slots, torch::Tensor& key_cache,
-                   torch::Tensor& value_cache, torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out);
-// decode_layers.cpp
-void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
-                   const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales_zeros,
-                   std::vector<torch::Tensor>& kv_caches, const torch::Tensor& positions, const torch::Tensor& cos,
-                   const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_table,
-                   const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   double scale, double eps, const torch::Tensor& final_norm, torch::Tensor& final_out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");

@@ -1,0 +1,28 @@
+// The kernels of this extension, declared once for the files that call each other's and the module
+// definition (paged_decode_attention.cpp).
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+// paged_decode_attention.cpp
+void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
+                            const torch::Tensor& value_cache, const torch::Tensor& block_table,
+                            const torch::Tensor& seq_lens, double scale, torch::Tensor& out);
+// q8_0_matmul.cpp
+void q8_0_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                 torch::Tensor& out);
+// fused_layer_ops.cpp
+void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
+                  torch::Tensor& out);
+void silu_mul(const torch::Tensor& gate_up, torch::Tensor& out);
+void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                   const torch::Tensor& sin, const torch::Tensor& slots, torch::Tensor& key_cache,
+                   torch::Tensor& value_cache, torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out);
+// decode_layers.cpp
+void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
+                   const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales_zeros,
+                   std::vector<torch::Tensor>& kv_caches, const torch::Tensor& positions, const torch::Tensor& cos,
+                   const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_table,
+                   const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   double scale, double eps, const torch::Tensor& final_norm, torch::Tensor& final_out);
