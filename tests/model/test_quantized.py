@@ -158,3 +158,35 @@ def test_packed_weights_with_bf16_activations(tiny_model_dir: Path, tmp_path: Pa
     prompt = list(range(1, 20))
     logits = PagedHarness(model, block_size=8).step([(Sequence(prompt), len(prompt))])[0]
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+
+
+def _q4_k(rows: int, cols: int, seed: int = 0) -> tuple[GGMLTensor, np.ndarray]:
+    """Random Q4_K super-blocks (gguf-py cannot quantize to Q4_K, but every byte pattern with finite d and
+    dmin is a valid block), and gguf's reference dequantization of them."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = rng.uniform(1e-4, 2e-2, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    blocks[..., 2:4] = rng.uniform(1e-4, 2e-2, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+    blocks = blocks.reshape(rows, -1)
+    return GGMLTensor(QType.Q4_K, (rows, cols), blocks), dequantize(blocks, QType.Q4_K).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("rows", [16, 40])
+def test_q4_k_unpacks_to_ggml_values_and_packs_its_codes_bit_exact(rows: int) -> None:
+    """Q4_K's 6-bit sub-block scales and mins become per-32 d and m exactly (ggml's own values, bit for bit),
+    and the int4 pack keeps its codes, with d and m + 8 d rounded to bf16 only."""
+    tensor, reference = _q4_k(rows, 512, seed=rows)
+    assert torch.equal(tensor.dequantize(), torch.from_numpy(reference))
+    codes, d, m = tensor.q4_codes()
+    assert torch.equal(torch.from_numpy(codes.reshape(rows, -1, 32) * d[..., None] + m[..., None]).view(rows, 512),
+                       torch.from_numpy(reference))
+    packed = pack_linear(tensor, PackThresholds.always_packed())
+    assert isinstance(packed, PackedLinear) and packed.form == "int4"
+    got_codes, scale, zero = packed.packed.unpack()
+    assert torch.equal(got_codes, torch.from_numpy(codes).to(torch.int32))
+    assert torch.equal(scale, torch.from_numpy(d).bfloat16().float())
+    assert torch.equal(zero, torch.from_numpy(m + 8 * d).bfloat16().float())
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    expected = x @ torch.from_numpy(reference).t()
+    got = packed(x)
+    assert torch.linalg.vector_norm(got - expected) / torch.linalg.vector_norm(expected) < 2e-2

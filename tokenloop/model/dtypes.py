@@ -3,7 +3,7 @@
 `auto` keeps the residual stream, attention and the KV cache in float32 (the C++ decode kernel is fp32,
 and KV precision is what long contexts are sensitive to) and picks the projection weights' form:
 
-- a quantized GGUF (Q4_0 / Q4_1 / Q8_0) on a CPU with AVX512-BF16 or AMX: the file's own blocks, packed
+- a quantized GGUF (Q4_0 / Q4_1 / Q4_K / Q8_0) on a CPU with AVX512-BF16 or AMX: the file's own blocks, packed
   for the int4 / Q8_0 kernels for small batches, plus a dense copy for large ones (`quantized`);
 - any other checkpoint on such a CPU: bf16 weights (half the bytes, native bf16 dot products);
 - otherwise float32: without native bf16 every bf16 / int4 GEMM converts in software (not measured here).

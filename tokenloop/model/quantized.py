@@ -4,10 +4,11 @@ A `GGMLTensor` is a weight matrix as the file stores it: rows of ggml blocks. Ro
 Q/K permutation undone, Q/K/V and gate/up fused) work on the raw rows, so no float copy is ever made.
 `PackedLinear` turns it into the forms CPU kernels consume directly:
 
-- Q4_0 / Q4_1 -> torch's CPU int4 layout (`aten._weight_int4pack_mm_for_cpu`, group 32, bf16 activations).
-  ggml's `w = d * q + m` over 32 values is torch's `(q - 8) * scale + zero` with scale = d and
-  zero = m + 8 d (Q4_0: m = -8 d, so zero = 0). The 4-bit codes are kept bit for bit; d and zero are
-  rounded to bf16, the only scale type the kernel takes.
+- Q4_0 / Q4_1 / Q4_K -> torch's CPU int4 layout (`aten._weight_int4pack_mm_for_cpu`, group 32, bf16
+  activations). ggml's `w = d * q + m` over 32 values is torch's `(q - 8) * scale + zero` with scale = d and
+  zero = m + 8 d (Q4_0: m = -8 d, so zero = 0; Q4_K: each 32-value sub-block of a 256-value super-block has
+  d = d_super * sc and m = -dmin_super * mn, from its 6-bit sc and mn). The 4-bit codes are kept bit for
+  bit; d and zero are rounded to bf16, the only scale type the kernel takes.
 - Q8_0 -> its own int8 codes and per-block scales, multiplied by our C++ kernel in float32 (torch's
   int8 weight-only kernel wants one scale per row and returns bf16: both cost greedy agreement).
 - anything else -> a dense bf16 matrix, dequantized one tensor at a time.
@@ -28,6 +29,8 @@ from gguf.quants import dequantize
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 
 GROUP_SIZE = 32  # ggml's Q4/Q8 block length, and the int4 kernel's group size
+SUPER_BLOCK = 256  # the K-quants' super-block length
+INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ class GGMLTensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float values (ggml's reference dequantization), converted to `dtype`."""
-        if self.tensor_type in (QType.Q4_0, QType.Q4_1, QType.Q8_0):  # torch is ~10x faster than gguf's numpy
+        if self.tensor_type in INT4_TYPES + (QType.Q8_0,):  # torch is ~10x faster than gguf's numpy
             if self.tensor_type == QType.Q8_0:
                 codes, d = self.q8_codes()
                 m = None
@@ -104,7 +107,10 @@ class GGMLTensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(self.shape)).to(dtype)
 
     def q4_codes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Q4_0 / Q4_1: 4-bit codes [rows, cols] uint8, and d, m [rows, cols / 32] float32 (w = d * q + m)."""
+        """Q4_0 / Q4_1 / Q4_K: 4-bit codes [rows, cols] uint8, and d, m [rows, cols / 32] float32
+        (w = d * q + m)."""
+        if self.tensor_type == QType.Q4_K:
+            return self._q4_k_codes()
         rows, cols = self.shape
         header = 2 if self.tensor_type == QType.Q4_0 else 4
         block = self.blocks.reshape(rows, cols // GROUP_SIZE, header + GROUP_SIZE // 2)
@@ -117,6 +123,27 @@ class GGMLTensor:
         else:
             m = block[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
         return codes, d, m
+
+    def _q4_k_codes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Q4_K's 144-byte super-blocks of 256 values: fp16 d and dmin, 12 bytes holding eight 6-bit scales and
+        mins, 128 bytes of codes. Sub-block j of 32 has d_j = d * sc_j and m_j = -dmin * mn_j, in float32 as
+        ggml's dequantization computes them, so d_j * q + m_j is its value bit for bit."""
+        rows, cols = self.shape
+        block = self.blocks.reshape(rows, cols // SUPER_BLOCK, 144)
+        d = block[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        dmin = block[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        packed = block[..., 4:16]
+        low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+        # Sub-blocks 0-3 keep their 6 bits in the low bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 take
+        # 4 bits from bytes 8-11 and their top 2 bits from the spare top bits of bytes 0-7.
+        sc = np.concatenate([low & 63, (extra & 0x0F) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
+        mn = np.concatenate([high & 63, (extra >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
+        # Each 32 bytes of codes hold two sub-blocks: the low nibbles the first, the high nibbles the next.
+        qs = block[..., 16:].reshape(rows, cols // SUPER_BLOCK, 4, 1, GROUP_SIZE)
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+        scale = (d[..., None] * sc).reshape(rows, cols // GROUP_SIZE)
+        minimum = (dmin[..., None] * mn).reshape(rows, cols // GROUP_SIZE)
+        return codes, scale, -minimum
 
     def q8_codes(self) -> tuple[np.ndarray, np.ndarray]:
         """Q8_0: int8 codes [rows, cols] and d [rows, cols / 32] float32 (w = d * q)."""
@@ -292,7 +319,7 @@ def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = 
                 dense_dtype: torch.dtype = torch.bfloat16) -> PackedLinear | torch.Tensor:
     """The fastest kept form of one projection: packed int4 / Q8_0 (+ a dense copy in `dense_dtype` for
     large batches), or the dense matrix alone where no packed kernel fits the encoding."""
-    if isinstance(weight, GGMLTensor) and weight.tensor_type in (QType.Q4_0, QType.Q4_1):
+    if isinstance(weight, GGMLTensor) and weight.tensor_type in INT4_TYPES:
         packed: Int4Weight | Q8Weight = Int4Weight.from_q4(weight)
         max_rows = thresholds.int4_max_rows
     elif isinstance(weight, GGMLTensor) and weight.tensor_type == QType.Q8_0:
