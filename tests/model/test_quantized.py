@@ -15,7 +15,7 @@ from tests.model.test_loader import write_tiny_gguf
 from tokenloop.model.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
 from tokenloop.model.quantized import (GGMLTensor, Int4Weight, PackedLinear, PackThresholds, Q8Weight,
-                                       QuantizedEmbedding, pack_linear)
+                                       QuantizedEmbedding, dense_linear, pack_linear, prepack_dense)
 
 
 def _ggml(tensor_type: QType, rows: int, cols: int, seed: int = 0) -> tuple[GGMLTensor, np.ndarray]:
@@ -190,3 +190,23 @@ def test_q4_k_unpacks_to_ggml_values_and_packs_its_codes_bit_exact(rows: int) ->
     expected = x @ torch.from_numpy(reference).t()
     got = packed(x)
     assert torch.linalg.vector_norm(got - expected) / torch.linalg.vector_norm(expected) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 17, 64])
+def test_prepacked_dense_matrix_multiplies_like_the_plain_one(dtype: torch.dtype, rows: int) -> None:
+    """oneDNN's blocked layout is a layout only. bf16: the same oneDNN kernel F.linear runs, bit for bit.
+    fp32: F.linear is MKL's, and oneDNN may pick another kernel per row count, so sums differ in order only."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(200, 96, generator=gen).to(dtype)
+    packed = prepack_dense(weight)
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert packed is weight  # no oneDNN bf16 on this CPU: the plain matrix stays
+    else:
+        assert packed.is_mkldnn and packed.dtype == dtype and tuple(packed.shape) == (200, 96)
+    x = torch.randn(rows, 96, generator=gen)
+    got, plain = dense_linear(x, packed), torch.nn.functional.linear(x.to(dtype), weight)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, plain)
+    else:
+        torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-5)

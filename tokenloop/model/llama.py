@@ -20,7 +20,7 @@ from tokenloop.errors import ModelLoadError
 from tokenloop.model.attention import AttentionMetadata, paged_attention, triton_attention_kernels
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.quantized import (GGMLTensor, Int4Weight, PackedLinear, PackThresholds, Q8Weight, QType,
-                                       QuantizedEmbedding, dense_weight, pack_linear)
+                                       QuantizedEmbedding, dense_linear, dense_weight, pack_linear, prepack_dense)
 
 Weight = torch.Tensor | PackedLinear  # a projection matrix in whichever form it runs
 
@@ -86,20 +86,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LMHead:
-    """The vocabulary projection. On CPU in fp32 it runs on oneDNN-packed weights: the 49k-row head
-    is the single largest GEMM of a decode step, and packing made it ~1.4-2x faster here at batch 8-32."""
+    """The vocabulary projection. On CPU in fp32 it runs on oneDNN-prepacked weights (`prepack_dense`): the
+    49k-row head is the single largest GEMM of a decode step."""
 
     def __init__(self, weight: Weight) -> None:
         self.weight = weight
         self._packed: torch.Tensor | None = None
-        if (isinstance(weight, torch.Tensor) and weight.device.type == "cpu" and weight.dtype == torch.float32
-                and torch.backends.mkldnn.is_available()):
-            self._packed = weight.to_mkldnn()
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+            packed = prepack_dense(weight)
+            self._packed = packed if packed.is_mkldnn else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
             return linear(hidden, self.weight)
-        return torch._C._nn.mkldnn_linear(hidden.contiguous().to_mkldnn(), self._packed, None).to_dense()
+        return dense_linear(hidden, self._packed)
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,8 @@ _NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales_zeros
 
 def decode_projection(weight: Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(matrix, scales_zeros) of the form `weight` runs for `rows` rows, when `decode_layers` can run it the way
-    `project` does; None otherwise (a Q8_0 pack, a padded int4 pack, an fp16 or oneDNN matrix)."""
+    `project` does; None otherwise (a Q8_0 pack, a padded int4 pack, an fp16 matrix). Dense matrices may be
+    oneDNN-prepacked (`prepack_dense`)."""
     if isinstance(weight, PackedLinear):
         if weight.dense is None or rows <= weight.packed_max_rows:
             pack = weight.packed
@@ -126,8 +127,6 @@ def decode_projection(weight: Weight, rows: int) -> tuple[torch.Tensor, torch.Te
                         and pack.packed.shape[1] * 2 == pack.in_features)
             return (pack.packed, pack.scales_zeros) if unpadded else None  # type: ignore[union-attr]
         weight = weight.dense
-        if weight.is_mkldnn:
-            return None
     return (weight, _NO_SCALES) if weight.dtype in (torch.float32, torch.bfloat16) else None
 
 

@@ -277,7 +277,7 @@ class PackedLinear:
     """One projection held as a packed quantized form, optionally with a dense copy for large batches.
 
     Calls with at most `packed_max_rows` rows (or all calls, without a dense copy) run the packed kernel.
-    The dense copy is bf16, or an fp32 oneDNN-packed matrix where bf16 output is too coarse (the logits).
+    The dense copy is bf16, or fp32 where bf16 output is too coarse (the logits), prepacked for oneDNN.
     """
 
     packed: Int4Weight | Q8Weight
@@ -292,13 +292,13 @@ class PackedLinear:
         """Which form a call with `rows` rows runs."""
         if self.dense is None or rows <= self.packed_max_rows:
             return self.form
-        return "float32" if self.dense.is_mkldnn else str(self.dense.dtype).removeprefix("torch.")
+        return str(self.dense.dtype).removeprefix("torch.")
 
     def input_dtype_for(self, rows: int) -> torch.dtype:
         """The activations' dtype the kernel for `rows` rows consumes (others are cast to it first)."""
         if self.dense is None or rows <= self.packed_max_rows:
             return torch.bfloat16 if isinstance(self.packed, Int4Weight) else torch.float32
-        return torch.float32 if self.dense.is_mkldnn else self.dense.dtype
+        return self.dense.dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (any float dtype) -> x @ W.T in x's dtype."""
@@ -309,10 +309,7 @@ class PackedLinear:
         weights, fp32 for Q8_0 and fp32 weights), for consumers that read either without a cast."""
         if self.dense is None or x.shape[0] <= self.packed_max_rows:
             return self.packed.matmul(x)
-        if self.dense.is_mkldnn:
-            dense_x = x.float().contiguous().to_mkldnn()
-            return torch._C._nn.mkldnn_linear(dense_x, self.dense, None).to_dense()
-        return torch.nn.functional.linear(x.to(self.dense.dtype), self.dense)
+        return dense_linear(x, self.dense)
 
 
 def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = PackThresholds(),
@@ -329,10 +326,32 @@ def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = 
         return dense_weight(weight, dense_dtype)
     dense = None
     if thresholds.keep_dense:
-        dense = dense_weight(weight, dense_dtype)
-        if dense_dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            dense = dense.to_mkldnn()  # ~1.4-2x faster than plain fp32 GEMMs here at 8-32 rows
+        dense = prepack_dense(dense_weight(weight, dense_dtype))
     return PackedLinear(packed, dense, max_rows)
+
+
+def prepack_dense(weight: torch.Tensor) -> torch.Tensor:
+    """A CPU float32 / bf16 matrix [N, K] reordered once into oneDNN's blocked layout (an opaque mkldnn
+    tensor, the same bytes), for `dense_linear`; other matrices unchanged.
+
+    A plain bf16 `F.linear` reorders the weights on every call: prepacked, the same oneDNN kernel gives the
+    same results bit for bit, 5-35% faster at 17-100 rows here. The fp32 vocabulary projection also skips
+    converting its [M, 49152] output from and to oneDNN's layout (25-45% faster at 9-64 rows; equal to the
+    `to_mkldnn` path it replaced at those rows, within float rounding at others).
+    """
+    supported = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                                  and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if weight.device.type != "cpu" or weight.is_mkldnn or not supported or not torch.backends.mkldnn.is_available():
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight.T in the weight's dtype, for a plain or a prepacked (`prepack_dense`) matrix."""
+    x = x.to(weight.dtype)
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, None, "none", [], "")
+    return torch.nn.functional.linear(x, weight)
 
 
 def dense_weight(weight: GGMLTensor | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,8 +16,19 @@ namespace {
 constexpr int64_t kProjectionsPerLayer = 4;  // qkv, o_proj, gate_up, down
 constexpr int64_t kInt4GroupSize = 32;
 
+// x @ W.T for W prepacked in oneDNN's blocked layout (quantized.prepack_dense): the registered op
+// `mkldnn::_linear_pointwise`, called boxed so that no C++ signature of it is compiled in here.
+torch::Tensor prepacked_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, weight, c10::IValue(), c10::IValue("none"),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // One projection as the caller chose it for this step's row count: torch's int4 pack with its scales and
-// zeros, or a dense matrix (bf16 or float32) multiplied by at::linear.
+// zeros, or a dense matrix (bf16 or float32; plain or oneDNN-prepacked).
 struct Projection {
   const torch::Tensor& matrix;
   const torch::Tensor& scales_zeros;  // empty for a dense matrix
@@ -25,6 +36,7 @@ struct Projection {
   c10::ScalarType input_dtype() const { return int4() ? torch::kBFloat16 : matrix.scalar_type(); }
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (int4()) return at::_weight_int4pack_mm_for_cpu(x, matrix, kInt4GroupSize, scales_zeros);
+    if (matrix.is_mkldnn()) return prepacked_linear(x, matrix);
     return at::linear(x, matrix);
   }
 };
