@@ -73,6 +73,25 @@ def test_greedy_equals_argmax_with_ties_to_lowest_id() -> None:
     assert out.logprobs == [None] * 16
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 6), st.integers(1, 40), st.integers(0, 2**31 - 1),
+       st.sampled_from(["plain", "ties", "nan", "-inf", "+inf", "strided"]))
+def test_row_argmax_fast_path_equals_torch_argmax(rows: int, vocab: int, seed: int, kind: str) -> None:
+    """The CPU fast path (numpy's argmax) picks what torch.argmax picks: first maximum, first NaN, views."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 3, (rows, vocab), generator=generator).float()  # small ints: many ties
+    if kind != "ties":
+        x += torch.rand(rows, vocab, generator=generator)
+    if rows and kind in ("nan", "-inf", "+inf"):
+        value = {"nan": math.nan, "-inf": -math.inf, "+inf": math.inf}[kind]
+        x[0, vocab // 2:] = value
+        x[-1, :] = value  # a whole row of it
+    if kind == "strided":
+        x = torch.cat([x, x], dim=1)[:, ::2]  # not contiguous
+    assert sampler_module.row_argmax(x).tolist() == x.argmax(dim=1).tolist()
+    assert sampler_module.row_argmax(x).dtype == torch.long
+
+
 def test_greedy_applies_penalties() -> None:
     # Token 1 leads, but the prompt holds it: repetition 2.0 halves it below token 2.
     params = SamplingParams(temperature=0.0, repetition_penalty=2.0)

@@ -338,13 +338,13 @@ class Sampler:
         """Greedy rows take the argmax; the others draw from softmax of their processed logits."""
         random_rows = batch.random_rows
         if not random_rows:
-            return processed.argmax(dim=1)
+            return row_argmax(processed)
         if len(random_rows) == batch.num_rows:
             return self._draw(processed, batch.random_generators)
         device = processed.device
         tokens = torch.empty(batch.num_rows, dtype=torch.long, device=device)
         greedy_rows = torch.tensor([i for i, g in enumerate(batch.greedy) if g], device=device)
-        tokens[greedy_rows] = processed[greedy_rows].argmax(dim=1)
+        tokens[greedy_rows] = row_argmax(processed[greedy_rows])
         random_index = torch.tensor(random_rows, device=device)
         tokens[random_index] = self._draw(processed[random_index], batch.random_generators)
         return tokens
@@ -384,6 +384,15 @@ class Sampler:
         for i, entry in zip(rows, _gather_logprobs(lp, targets, num_top)):
             out[i] = entry
         return out
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=1)`. On the CPU numpy's argmax gives the same indices (the first maximum; the first NaN
+    if a row has one) 4-8x faster than torch's on this machine (5 vs 42 us at 67 x 383, 2.1 vs 12 ms at
+    256 x 49152, one thread): a greedy step pays it once per step."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+        return torch.from_numpy(x.detach().numpy().argmax(axis=1))
+    return x.argmax(dim=1)
 
 
 def _check_token_id(token_id: int, vocab_size: int, param: str) -> None:

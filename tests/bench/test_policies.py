@@ -14,7 +14,7 @@ import pytest
 from tests.bench.conftest import crafted
 from tokenloop.bench.cli import add_bench_subparser, main, run_policies_command
 from tokenloop.bench.policies import PolicyBenchConfig, parse_base_urls, parse_step_cost, run_policy_benchmark
-from tokenloop.bench.replay import ReplayRun, StepCost, VirtualClock, replay_engine, replay_hf_static
+from tokenloop.bench.replay import ReplayRecord, ReplayRun, StepCost, VirtualClock, replay_engine, replay_hf_static
 from tokenloop.bench.report import render_html, summarize_run
 from tokenloop.bench.trace import TraceRequest, dumps_trace
 from tokenloop.engine import LLMEngine
@@ -166,6 +166,23 @@ def test_report_is_self_contained_with_a_plot_per_section(tiny_checkpoint: Check
     assert sections["gantt"].count("<svg") == 2  # one Gantt per policy
     assert sections["gantt"].count("<rect") > 3 * len(trace)  # queue / prefill / decode bars
     assert "priority 1" in sections["breakdown"] and "user u2" in sections["breakdown"]
+
+
+def test_report_of_a_long_run_keeps_a_bounded_gantt_and_cdf() -> None:
+    from tokenloop.bench import report
+
+    records = [ReplayRecord(id=f"r{i}", arrival_s=i * 1e-3, prompt_len=4, max_tokens=2,
+                            first_scheduled_s=i * 1e-3, first_token_s=i * 1e-3 + 0.01, last_token_s=i * 1e-3 + 0.02,
+                            finished_s=i * 1e-3 + 0.02, output_len=2, finish_reason="length")
+               for i in range(3 * report.MAX_GANTT_REQUESTS + 1)]
+    run = ReplayRun(label="long", kind="engine", records=records)
+    gantt = report.gantt_chart(run)
+    rows = gantt.count("<title>r") / 3  # queue, prefill, decode bars per request drawn
+    assert report.MAX_GANTT_REQUESTS / 2 <= rows <= report.MAX_GANTT_REQUESTS and "<title>r0 queue" in gantt
+    values = [float(i) for i in range(10 * report.MAX_CDF_POINTS + 7)]
+    xs, ys = report._cdf(values)
+    assert len(xs) == report.MAX_CDF_POINTS and xs[0] == 0.0 and xs[-1] == values[-1] and ys[-1] == 1.0
+    assert report._cdf([3.0, 1.0, 2.0]) == ([1.0, 2.0, 3.0], [1 / 3, 2 / 3, 1.0])  # short: every point
 
 
 def test_policies_command_prints_table_and_writes_outputs(tiny_model_dir: Path, tmp_path: Path,

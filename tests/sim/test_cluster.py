@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,14 @@ def test_simulate_compares_routers_on_replicas(tmp_path: Path, capsys) -> None:
         assert all(r["finish_reason"] == "length" for r in run["requests"])
     rr = document["runs"][0]["settings"]["per_replica"]
     assert [p["requests"] for p in rr] == [10, 10, 10]
-    assert (tmp_path / "r.html").read_text().startswith("<!")
+    page = (tmp_path / "r.html").read_text()
+    assert page.startswith("<!")
+    # The report shows what a cluster adds and the energy per request, each with its plots.
+    sections = dict(re.findall(r'<section id="([\w-]+)">(.*?)</section>', page, flags=re.DOTALL))
+    assert "Requests per replica" in sections["cluster"] and sections["cluster"].count("<svg") == 3
+    assert "Energy per request" in sections["energy"] and "<svg" in sections["energy"]
+    mean_j = document["runs"][0]["settings"]["energy_per_request"]["mean_j"]
+    assert f"{mean_j:.2f}" in sections["energy"]
 
 
 def test_an_unknown_router_is_an_error_naming_the_known_ones(tmp_path: Path, capsys) -> None:

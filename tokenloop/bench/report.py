@@ -21,7 +21,12 @@ from tokenloop.bench.replay import ReplayRecord, ReplayRun
 
 LATENCIES = ("ttft", "queue_wait", "itl", "e2el")
 _LATENCY_LABELS = {"ttft": "TTFT", "queue_wait": "queue wait", "itl": "ITL", "e2el": "E2EL"}
-PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
+           "#bcbd22", "#7f7f7f", "#aec7e8", "#98df8a")  # 12: a 4-policy x 3-router grid
+# A run of 10^5 requests would draw 10^5 Gantt rows and CDF points per run: the report keeps at most these
+# (every k-th request by arrival; the CDF at evenly spaced ranks), so a scale study's page stays a few MB.
+MAX_GANTT_REQUESTS = 2000
+MAX_CDF_POINTS = 2000
 
 
 @dataclass(frozen=True)
@@ -311,6 +316,8 @@ def gantt_chart(run: ReplayRun, *, width: int = 900, max_height: int = 1400,
     records = sorted((r for r in run.records if r.first_token_s is not None), key=lambda r: (r.arrival_s, r.id))
     if not records:
         return f'<p class="empty">{html.escape(run.label)}: no request produced a token.</p>'
+    every = -(-len(records) // MAX_GANTT_REQUESTS)
+    records = records[::every]
     row = max(1.0, min(10.0, (max_height - 72) / len(records)))
     height = int(row * len(records)) + 72
     end = max(r.last_token_s or r.first_token_s or 0.0 for r in records)
@@ -369,8 +376,54 @@ def bar_chart(groups: Sequence[str], series: Sequence[Series], *, title: str, y_
 def _cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
     ordered = sorted(values)
     n = len(ordered)
-    return ordered, [(i + 1) / n for i in range(n)]
+    ranks = range(n) if n <= MAX_CDF_POINTS else sorted({round(k * (n - 1) / (MAX_CDF_POINTS - 1))
+                                                         for k in range(MAX_CDF_POINTS)})
+    return [ordered[i] for i in ranks], [(i + 1) / n for i in ranks]
 
+
+def _energy_section(runs: Sequence[ReplayRun], colors: dict[str, str]) -> str:
+    """Energy per request (a simulated run with a powered profile keeps it in settings), or ''."""
+    summaries = [run.settings.get("energy_per_request") or {} for run in runs]
+    if not any(summaries):
+        return ""
+    stats = (("mean_j", "mean"), ("p50_j", "p50"), ("p90_j", "p90"))
+    bars = bar_chart([label for _, label in stats],
+                     [Series(run.label, colors[run.label], [0, 1, 2], [s.get(key, float("nan")) for key, _ in stats])
+                      for run, s in zip(runs, summaries)],
+                     title="Energy per request", y_label="J per request")
+    rows = [("all requests (kJ)", [_fmt(s.get("total_j") and s["total_j"] / 1e3) for s in summaries]),
+            ("per output token (J)", [_fmt(s.get("j_per_output_token"), 3) for s in summaries]),
+            *[(f"per request: {label} (J)", [_fmt(s.get(key)) for s in summaries]) for key, label in stats],
+            ("per request: max (J)", [_fmt(s.get("max_j")) for s in summaries])]
+    table = _html_table([run.label for run in runs], rows)
+    return bars + table + ('<p class="note">Busy power x modelled step time; each step\'s energy is shared by '
+                           'its requests in proportion to their tokens in it.</p>')
+
+
+def _cluster_section(runs: Sequence[ReplayRun], colors: dict[str, str]) -> str:
+    """Replicas behind a router (a simulated cluster run keeps them in settings), or ''."""
+    clustered = [run for run in runs if run.settings.get("per_replica")]
+    if not clustered:
+        return ""
+
+    def ttft_ms(run: ReplayRun, q: float) -> float:
+        values = [r.ttft_s for r in run.records if r.success and r.ttft_s is not None]
+        return float(np.percentile(values, q)) * 1e3 if values else float("nan")
+
+    labels = [run.label for run in clustered]
+    ttft = bar_chart(["P50 TTFT", "P90 TTFT"],
+                     [Series(run.label, colors[run.label], [0, 1], [ttft_ms(run, 50), ttft_ms(run, 90)])
+                      for run in clustered], title="TTFT by run", y_label="TTFT (ms)")
+    hits = bar_chart(labels, [Series("prefix hit rate", PALETTE[0], list(range(len(clustered))),
+                                     [100 * (run.prefix_cache_hit_rate or 0.0) for run in clustered])],
+                     title="Prefix cache hit rate", y_label="hit rate (%)")
+    num_replicas = max(len(run.settings["per_replica"]) for run in clustered)
+    spread = bar_chart([f"replica {i}" for i in range(num_replicas)],
+                       [Series(run.label, colors[run.label], list(range(num_replicas)),
+                               [p["requests"] for p in run.settings["per_replica"]]) for run in clustered],
+                       title="Requests per replica", y_label="requests")
+    return ttft + hits + spread + ('<p class="note">The queue and KV plots above are per engine: a cluster run '
+                                   'records per replica, shown here.</p>')
 
 # ---- the HTML page -------------------------------------------------------------------------------
 
@@ -385,12 +438,12 @@ tr.section td { background: #f3f3f3; font-weight: bold; text-align: left; }
 """
 
 
-def _html_table(summaries: Sequence[RunSummary], rows: Sequence[Row]) -> str:
-    head = "<tr><th></th>" + "".join(f"<th>{html.escape(s.label)}</th>" for s in summaries) + "</tr>"
+def _html_table(columns: Sequence[str], rows: Sequence[Row]) -> str:
+    head = "<tr><th></th>" + "".join(f"<th>{html.escape(label)}</th>" for label in columns) + "</tr>"
     body = []
     for label, cells in rows:
         if not cells:
-            body.append(f'<tr class="section"><td colspan="{len(summaries) + 1}">{html.escape(label)}</td></tr>')
+            body.append(f'<tr class="section"><td colspan="{len(columns) + 1}">{html.escape(label)}</td></tr>')
         else:
             body.append(f"<tr><td>{html.escape(label)}</td>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
     return f"<table>{head}{''.join(body)}</table>"
@@ -447,16 +500,19 @@ def render_html(runs: Sequence[ReplayRun], summaries: Sequence[RunSummary], *,
                         for k, v in settings.items())
         settings_html = f"<table>{items}</table>"
     sections = [
-        ("summary", "Summary", _html_table(summaries, overall_rows(summaries, with_goodput))),
+        ("summary", "Summary", _html_table([s.label for s in summaries], overall_rows(summaries, with_goodput))),
         ("ttft-cdf", "TTFT CDF per run", ttft_cdf),
         ("queue", "Queue length over time",
          queue + '<p class="note">Requests waiting for admission after each step.</p>'),
         ("kv", "KV cache usage over time", kv + running),
         ("gantt", "Per-request Gantt: queue / prefill / decode", gantts),
         ("breakdown", "By priority class and by user",
-         breakdown_plots + _html_table(summaries, breakdown_rows(summaries, with_goodput))
+         breakdown_plots + _html_table([s.label for s in summaries], breakdown_rows(summaries, with_goodput))
          + '<p class="note">A group\'s throughputs are its completions over the whole run.</p>'),
+        ("energy", "Energy per request", _energy_section(runs, colors)),
+        ("cluster", "Routers and replicas", _cluster_section(runs, colors)),
     ]
+    sections = [section for section in sections if section[2]]  # a run without energy or replicas: no section
     body = "".join(f'<section id="{sid}"><h2>{html.escape(heading)}</h2>{content}</section>'
                    for sid, heading, content in sections)
     generated = datetime.now().strftime("%Y-%m-%d %H:%M:%S")

@@ -374,8 +374,10 @@ class EngineCore:
             if output.new_logprobs is None:
                 output.new_logprobs = []
             output.new_logprobs.append(logprobs)
-        self.structured.accept(request, token)  # raises if the grammar refuses it: fails this request only
-        can_stop = request.num_output_tokens >= params.min_tokens
+        if request.structured is not None:  # (a call per token saved for the unconstrained rest)
+            self.structured.accept(request, token)  # raises if the grammar refuses it: fails this request only
+        num_output_tokens = request.num_output_tokens
+        can_stop = num_output_tokens >= params.min_tokens
         status: RequestStatus | None = None
         if can_stop and not params.ignore_eos and token == request.eos_token_id:
             status = RequestStatus.FINISHED_STOPPED
@@ -383,7 +385,7 @@ class EngineCore:
             status = RequestStatus.FINISHED_STOPPED
         elif can_stop and token in (params.stop_token_ids or ()):
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif request.num_output_tokens >= (params.max_tokens or self.max_model_len):
+        elif num_output_tokens >= (params.max_tokens or self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         elif request.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenloop.config import EngineConfig
 from tokenloop.core.messages import CoreOutputs, CoreRequest
 from tokenloop.core.scheduler import SchedulerStats
 from tokenloop.errors import InvalidRequestError
 from tokenloop.observe.records import Observes
-from tokenloop.request import NS_PER_S, SamplingParams
+from tokenloop.request import NS_PER_S, Request, SamplingParams
 from tokenloop.sim.cost import StepCostModel
 from tokenloop.sim.runner import AdvancingClock, SimulatedRunner, sim_core
 
@@ -52,14 +52,6 @@ class SimulatedOutput:
     finished: bool = True
 
 
-@dataclass(slots=True)
-class _Tracked:
-    prompt_token_ids: list[int]
-    arrival_ns: int
-    token_ids: list[int] = field(default_factory=list)
-    token_ns: list[int] = field(default_factory=list)
-
-
 class SimulatedEngine:
     """`add_request` / `step` / `has_unfinished_requests` over a simulated core on a virtual clock."""
 
@@ -72,7 +64,9 @@ class SimulatedEngine:
         self.core = sim_core(config, cost_model, clock, vocab_size=vocab_size, max_model_len=max_model_len,
                              kv_bytes_per_token=kv_bytes_per_token, observers=observers)
         self._tokenize = tokenize
-        self._tracked: dict[str, _Tracked] = {}
+        # The core's own Request of each unfinished request: its output tokens and their time stamps are
+        # read once, when it finishes, instead of being copied out of every step's outputs.
+        self._tracked: dict[str, Request] = {}
 
     def add_observer(self, observer: Observes) -> None:
         self.core.observers.add(observer)
@@ -119,7 +113,9 @@ class SimulatedEngine:
         arrival = self.clock() if arrival_ns is None else arrival_ns
         self.core.add_requests([CoreRequest(request_id, ids, params, arrival, priority=priority, user=user,
                                             cache_salt=cache_salt)])
-        self._tracked[request_id] = _Tracked(ids, arrival)
+        request = self.core.scheduler.get_request(request_id)
+        assert request is not None, f"{request_id} was queued but the scheduler does not hold it"
+        self._tracked[request_id] = request
         return request_id
 
     def step(self) -> list[SimulatedOutput]:
@@ -132,30 +128,26 @@ class SimulatedEngine:
         stamp = outs.timestamp_ns
         finished = []
         for out in outs.outputs:
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:
+            if out.finish_reason is None:
                 continue
-            if out.new_token_ids:
-                tracked.token_ids.extend(out.new_token_ids)
-                tracked.token_ns.extend([stamp] * len(out.new_token_ids))
-            if out.finish_reason is not None:
-                del self._tracked[out.request_id]
-                finished.append(self._output(out.request_id, tracked, out.finish_reason,
-                                             out.first_scheduled_ns, stamp, out.num_cached_tokens,
-                                             out.num_preemptions))
+            request = self._tracked.pop(out.request_id, None)
+            if request is not None:
+                finished.append(self._output(request, out.finish_reason, out.first_scheduled_ns, stamp,
+                                             out.num_cached_tokens, out.num_preemptions))
         return outs, finished
 
     @staticmethod
-    def _output(request_id: str, tracked: _Tracked, finish_reason: str, first_scheduled_ns: int | None,
-                finished_ns: int, num_cached: int, num_preemptions: int) -> SimulatedOutput:
-        times = tracked.token_ns
+    def _output(request: Request, finish_reason: str, first_scheduled_ns: int | None, finished_ns: int,
+                num_cached: int, num_preemptions: int) -> SimulatedOutput:
+        # Every token the core appended was stamped with its step's timestamp_ns (the outputs' stamp).
+        times = request.times.token_times
 
         def s(ns: int | None) -> float | None:
             return None if ns is None else ns / NS_PER_S
 
         itls = [(b - a) / NS_PER_S for a, b in itertools.pairwise(times)]
-        metrics = SimulatedMetrics(tracked.arrival_ns / NS_PER_S, s(first_scheduled_ns),
+        metrics = SimulatedMetrics(request.times.arrival / NS_PER_S, s(first_scheduled_ns),
                                    s(times[0] if times else None), s(times[-1] if times else None),
                                    finished_ns / NS_PER_S, itls, num_cached, num_preemptions)
-        return SimulatedOutput(request_id, tracked.prompt_token_ids,
-                               [SimulatedCompletion(tracked.token_ids, finish_reason)], metrics)
+        return SimulatedOutput(request.request_id, request.prompt_token_ids,
+                               [SimulatedCompletion(list(request.output_token_ids), finish_reason)], metrics)

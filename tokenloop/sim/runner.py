@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tokenloop.config import EngineConfig
@@ -94,14 +95,13 @@ class SimulatedRunner:
                 if request.num_output_tokens + 1 >= (request.sampling_params.max_tokens or 1):
                     eos_rows.append(len(indices))
                 indices.append(i)
-        # One-hot rows, built in place (a filled column and a few fixed rows: no int64 one-hot, no gather).
-        filler, eos = self.filler_token_id, self.eos_token_id
-        logits = torch.zeros(len(indices), self.vocab_size)
-        logits[:, filler] = 1.0
-        for row in eos_rows:
-            logits[row, filler] = 0.0
-            logits[row, eos] = 1.0
-        return RunnerOutput(indices, logits, forward_s=cost_ns / 1e9, weight_form=WEIGHT_FORM)
+        # One-hot rows, built in numpy and shared with torch (a filled column, a few EOS rows): the same
+        # tensor as torch.zeros and two index assignments, at a fraction of their per-call overhead.
+        logits = np.zeros((len(indices), self.vocab_size), dtype=np.float32)
+        logits[:, self.filler_token_id] = 1.0
+        logits[eos_rows, self.filler_token_id] = 0.0
+        logits[eos_rows, self.eos_token_id] = 1.0
+        return RunnerOutput(indices, torch.from_numpy(logits), forward_s=cost_ns / 1e9, weight_form=WEIGHT_FORM)
 
 
 @dataclass(frozen=True)
