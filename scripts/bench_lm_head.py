@@ -3,6 +3,7 @@
 Forms, interleaved within each round (the machine is shared, so they see the same load), median of the rounds:
 - `q8_tiled`: the Q8_0 kernel on the 16-column tiled codes (`Q8Weight`, csrc/q8_0_matmul.cpp), fp32 out;
 - `fp32_mkldnn`: a float32 copy of the dequantized weights, oneDNN-packed (what the head used above 8 rows);
+- `fp32_prepacked`: the same copy reordered once for `mkldnn._linear_pointwise` (dense input and output);
 - `q8_rowmajor`: the previous Q8_0 kernel on row-major codes, when `--old-source FILE` names its source
   (e.g. `git show 25e628d:tokenloop/model/csrc/q8_0_matmul.cpp > /tmp/old_q8.cpp`); built here as its own
   small extension.
@@ -75,9 +76,10 @@ def main() -> None:
     scales = torch.rand(args.n, args.k // 32, generator=gen) * 1e-2
     tiled = Q8Weight.from_codes(codes, scales)
     dense = tiled.dequantize().to_mkldnn()
+    prepacked = torch.ops.mkldnn._reorder_linear_weight(tiled.dequantize())
     print(f"[M, {args.k}] x [{args.k}, {args.n}], {torch.get_num_threads()} threads, median of {args.rounds} "
           "interleaved rounds, ms per call")
-    names = ["q8_tiled", "fp32_mkldnn"] + (["q8_rowmajor"] if old else [])
+    names = ["q8_tiled", "fp32_mkldnn", "fp32_prepacked"] + (["q8_rowmajor"] if old else [])
     print("| M | " + " | ".join(names) + " |")
     print("| ---: |" + " ---: |" * len(names))
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -86,6 +88,7 @@ def main() -> None:
         forms: dict[str, Callable[[], object]] = {
             "q8_tiled": lambda x=x: tiled.matmul(x),
             "fp32_mkldnn": lambda x=x: torch._C._nn.mkldnn_linear(x.to_mkldnn(), dense, None).to_dense(),
+            "fp32_prepacked": lambda x=x: torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [], ""),
         }
         if old is not None:
             forms["q8_rowmajor"] = lambda x=x, out=out: old.q8_0_matmul(x, codes, scales, out)
