@@ -9,9 +9,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize, quantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.model.paged_harness import PagedHarness, Sequence
 from tests.model.test_loader import write_tiny_gguf
+from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
 from tokenloop.model.quantized import (GGMLTensor, Int4Weight, PackedLinear, PackThresholds, Q8Weight,
@@ -80,18 +83,59 @@ def test_int4_gemm_random_shapes(n: int, k: int, rows: int) -> None:
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("rows", [1, 4, 9])  # 9: the four-row blocks and the remainder
 @pytest.mark.parametrize("use_kernel", [True, False])
-def test_q8_gemm_matches_fp32_reference(rows: int, use_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 80), k_groups=st.integers(1, 32), rows=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_q8_gemm_matches_fp32_reference(n: int, k_groups: int, rows: int, seed: int, use_kernel: bool) -> None:
+    """Any N (ragged against the 16-column tiles), K = 32..1024, M across the 4-row, 12-row and buffered
+    blocks: the kernel (and the no-compiler fallback) equals a dequantized fp32 matmul to fp32 rounding."""
+    k = k_groups * 32
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    scales = torch.rand(n, k_groups, generator=gen) * 0.02
+    weight = Q8Weight.from_codes(codes, scales)
+    reference = (codes.view(n, k_groups, 32).float() * scales[..., None]).view(n, k)
+    assert torch.equal(weight.dequantize(), reference)  # code x scale, exact
+    x = torch.randn(rows, k, generator=gen)
+    with pytest.MonkeyPatch.context() as patch:
+        if not use_kernel:  # the PyTorch fallback, as without a compiler
+            patch.setattr("tokenloop.model.quantized.paged_decode_kernels", lambda: None)
+        got = weight.matmul(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    expected = (x.double() @ reference.double().t())
+    bound = 1e-5 * (x.double().abs() @ reference.double().abs().t()) + 1e-30
+    assert ((got.double() - expected).abs() <= bound).all()
+
+
+def test_q8_gemm_of_a_ggml_tensor_matches_its_dequantization() -> None:
     tensor, reference = _ggml(QType.Q8_0, 40, 96)
-    if not use_kernel:  # the PyTorch fallback, as without a compiler
-        monkeypatch.setattr("tokenloop.model.quantized.paged_decode_kernels", lambda: None)
     packed = Q8Weight.from_q8(tensor)
     assert torch.equal(packed.dequantize(), torch.from_numpy(reference))
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
-    got = packed.matmul(x)
-    assert got.dtype == torch.float32  # fp32 sums and output: the file's values, no bf16 rounding
-    torch.testing.assert_close(got, x @ torch.from_numpy(reference).t(), rtol=1e-5, atol=1e-5)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(packed.matmul(x), x @ torch.from_numpy(reference).t(), rtol=1e-5, atol=1e-5)
+
+
+def test_q8_rejects_bad_shapes_and_dtypes() -> None:
+    codes = torch.zeros(20, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q8Weight.from_codes(torch.zeros(20, 40, dtype=torch.int8), torch.ones(20, 1))
+    with pytest.raises(ValueError, match="int8 codes"):
+        Q8Weight.from_codes(codes.float(), torch.ones(20, 2))
+    with pytest.raises(ValueError, match="scales"):
+        Q8Weight.from_codes(codes, torch.ones(20, 3))
+    weight = Q8Weight.from_codes(codes, torch.ones(20, 2))
+    with pytest.raises(ValueError, match=r"x \[M, 64\]"):
+        weight.matmul(torch.ones(3, 32))
+    kernel = paged_decode_kernels()
+    if kernel is None:
+        pytest.skip("no C++ kernels here")
+    x, out = torch.ones(3, 64), torch.empty(3, 20)
+    with pytest.raises(RuntimeError, match="float32 x"):
+        kernel.q8_0_tiled_matmul(x.double(), weight.codes, weight.scales, out)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernel.q8_0_tiled_matmul(x, weight.codes, weight.scales, torch.empty(3, 40))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernel.q8_0_tiled_matmul(torch.ones(3, 48), weight.codes[:, :48].contiguous(), weight.scales, out)
 
 
 def test_packed_linear_picks_the_form_by_rows() -> None:
@@ -107,16 +151,27 @@ def test_packed_linear_picks_the_form_by_rows() -> None:
         torch.testing.assert_close(out, expected[:rows], rtol=3e-2, atol=3e-2 * expected.abs().max().item())
     only = pack_linear(tensor, PackThresholds.always_packed())
     assert isinstance(only, PackedLinear) and only.dense is None and only.form_for(10_000) == "int4"
+    # The LM head (fp32 logits): the Q8_0 kernel at every row count, no float32 copy of the weights.
     head = pack_linear(_ggml(QType.Q8_0, 32, 64)[0], PackThresholds(q8_max_rows=2), dense_dtype=torch.float32)
-    assert isinstance(head, PackedLinear) and [head.form_for(r) for r in (2, 3)] == ["q8_0", "float32"]
+    assert isinstance(head, PackedLinear) and head.dense is None
+    assert [head.form_for(r) for r in (2, 3, 512)] == ["q8_0"] * 3 and head.input_dtype_for(512) == torch.float32
     assert head(x).dtype == torch.float32
+    # A Q8_0 layer (bf16 output is fine there) still keeps its bf16 copy for large batches.
+    layer = pack_linear(_ggml(QType.Q8_0, 32, 64)[0], PackThresholds(q8_max_rows=2))
+    assert isinstance(layer, PackedLinear) and [layer.form_for(r) for r in (2, 3)] == ["q8_0", "bfloat16"]
 
 
 def test_q8_embedding_rows_are_exact() -> None:
-    tensor, reference = _ggml(QType.Q8_0, 50, 64)
-    ids = torch.tensor([3, 0, 49, 3])
+    tensor, reference = _ggml(QType.Q8_0, 50, 64)  # 50 rows: the last tile is padded
+    ids = torch.tensor([3, 0, 49, 3, 16, 47])
     embedding = QuantizedEmbedding(Q8Weight.from_q8(tensor))
+    assert embedding.shape == (50, 64)
     assert torch.equal(embedding.index_select(0, ids), torch.from_numpy(reference)[ids])
+    for bad in (50, 63, -1):  # past the end, inside the padding, negative: errors, not padding or wrap-around
+        with pytest.raises(IndexError, match=r"\[0, 50\)"):
+            embedding.index_select(0, torch.tensor([1, bad]))
+    with pytest.raises(ValueError, match="dim 1"):
+        embedding.index_select(1, ids)
 
 
 def test_row_permutation_and_fusion_on_raw_blocks_are_exact() -> None:

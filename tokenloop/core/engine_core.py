@@ -94,7 +94,9 @@ class EngineCore:
             self.vocab_size, self.eos_token_id = stand_in.vocab_size, stand_in.eos_token_id
             model_len = stand_in.max_model_len
             kv_bytes_per_block = stand_in.kv_bytes_per_block(block_size)
-        self.checkpoint = checkpoint
+        # Config and tokenizer only: the weights live in the model now, and the checkpoint's ggml blocks are
+        # views of the mapped GGUF file, whose pages (the whole file, ~94 MiB) stayed resident while held.
+        self.checkpoint = None if checkpoint is None else dataclasses.replace(checkpoint, weights={})
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         num_blocks = config.cache.num_blocks or max(
             1, config.cache.kv_cache_memory_bytes // kv_bytes_per_block)

@@ -9,12 +9,16 @@ Q/K permutation undone, Q/K/V and gate/up fused) work on the raw rows, so no flo
   zero = m + 8 d (Q4_0: m = -8 d, so zero = 0; Q4_K: each 32-value sub-block of a 256-value super-block has
   d = d_super * sc and m = -dmin_super * mn, from its 6-bit sc and mn). The 4-bit codes are kept bit for
   bit; d and zero are rounded to bf16, the only scale type the kernel takes.
-- Q8_0 -> its own int8 codes and per-block scales, multiplied by our C++ kernel in float32 (torch's
-  int8 weight-only kernel wants one scale per row and returns bf16: both cost greedy agreement).
+- Q8_0 -> its own int8 codes and per-block scales, tiled by 16 output rows for our C++ kernel, which
+  multiplies them in float32 at any batch size (torch's int8 weight-only kernel wants one scale per row
+  and returns bf16: both cost greedy agreement). The same tiles serve the embedding lookup of a tied
+  embedding / LM head: one copy of the codes (the default model's: 28.3 MB of codes + 3.5 MB of scales).
 - anything else -> a dense bf16 matrix, dequantized one tensor at a time.
 
 Small batches are bandwidth-bound and want the fewest bytes; large ones are compute-bound and run faster
 on dense bf16 (measured: BENCHMARKS.md), so a `PackedLinear` may also hold a bf16 copy and picks per call.
+A Q8_0 matrix never gets a float32 copy: where the output must stay fp32 (the logits), the Q8_0 kernel
+serves every batch size itself.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ class PackThresholds:
     """Most rows a call may have and still run the packed kernel when a bf16 copy exists.
 
     Measured on the 2-core AVX512-BF16 EPYC (BENCHMARKS.md): torch's int4 kernel beats bf16 up to ~16-24
-    rows, our Q8_0 kernel beats fp32 up to ~8. `always_packed()` never uses the copy (tests, least memory).
+    rows; `q8_max_rows` applies to Q8_0 layers with a bf16 copy (the fp32 LM head keeps no copy).
+    `always_packed()` never uses the copy (tests, least memory).
     """
 
     int4_max_rows: int = 16
@@ -49,6 +54,7 @@ class PackThresholds:
     def always_packed(cls) -> PackThresholds:
         return cls(1 << 62, 1 << 62, keep_dense=False)
 _INT4_N_MULTIPLE = 16  # torch's int4 packing wants the output dimension in multiples of 16
+_TILE = 16  # the Q8_0 kernel's output columns per tile: one AVX-512 register of float32
 QType = GGMLQuantizationType
 
 
@@ -238,16 +244,38 @@ class Int4Weight:
 
 @dataclass
 class Q8Weight:
-    """Q8_0 as the file has it: int8 codes [N, K] and float32 scales [N, K / 32], multiplied by a C++ kernel
-    with float32 activations and float32 output (csrc/q8_0_matmul.cpp)."""
+    """Q8_0 with the file's values, tiled for the C++ kernel (csrc/q8_0_matmul.cpp): the N output rows in
+    tiles of 16, `codes` [N_pad / 16, K, 16] int8 and `scales` [N_pad / 16, K / 32, 16] float32 (N padded
+    to 16 with zero weights), multiplied with float32 activations into float32 output at any row count.
+    The same tensors serve an embedding lookup (`rows`): one copy for a tied embedding and head."""
 
     codes: torch.Tensor
     scales: torch.Tensor
+    out_features: int
 
     @classmethod
     def from_q8(cls, tensor: GGMLTensor) -> Q8Weight:
         codes, d = tensor.q8_codes()
-        return cls(torch.from_numpy(codes), torch.from_numpy(d))
+        return cls.from_codes(torch.from_numpy(codes), torch.from_numpy(d))
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor) -> Q8Weight:
+        """codes [N, K] int8, scales [N, K / 32] float32 (w = code * scale) -> the tiled layout."""
+        n, k = codes.shape
+        if codes.dtype != torch.int8 or k % GROUP_SIZE or tuple(scales.shape) != (n, k // GROUP_SIZE):
+            raise ValueError(f"Q8_0 weight: int8 codes [N, K] with K a multiple of {GROUP_SIZE} and scales "
+                             f"[N, K / {GROUP_SIZE}] expected, got {codes.dtype} {tuple(codes.shape)} and "
+                             f"{tuple(scales.shape)}")
+        pad = -n % _TILE
+        codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
+        scales = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad))
+        tiles = (n + pad) // _TILE
+        return cls(codes.view(tiles, _TILE, k).transpose(1, 2).contiguous(),
+                   scales.view(tiles, _TILE, -1).transpose(1, 2).contiguous(), n)
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -255,20 +283,30 @@ class Q8Weight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> x @ W.T [M, N] in float32."""
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"Q8_0 matmul: x [M, {self.in_features}] expected, got {tuple(x.shape)}")
         x = x.float().contiguous()
-        out = torch.empty(x.shape[0], self.codes.shape[0], dtype=torch.float32)
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         kernel = paged_decode_kernels()
         if kernel is not None:
-            kernel.q8_0_matmul(x, self.codes, self.scales, out)
+            kernel.q8_0_tiled_matmul(x, self.codes, self.scales, out)
             return out
-        for start in range(0, self.codes.shape[0], 4096):  # no compiler: dequantize a slice at a time
-            rows = slice(start, start + 4096)
+        step = 4096  # no compiler: dequantize a slice of rows at a time
+        for start in range(0, self.out_features, step):
+            rows = slice(start, min(start + step, self.out_features))
             out[:, rows] = x @ self.dequantize(rows).t()
         return out
 
+    def rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `ids` of the untiled matrix: codes [T, K] int8 and scales [T, K / 32] float32."""
+        tile, lane = ids // _TILE, ids % _TILE
+        return self.codes[tile, :, lane], self.scales[tile, :, lane]
+
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
-        codes = self.codes[rows]
-        grouped = codes.view(codes.shape[0], -1, GROUP_SIZE).float() * self.scales[rows].unsqueeze(-1)
+        """The float32 weights [N, K] (or the rows of `rows`, step 1): code * scale, exact."""
+        ids = torch.arange(self.out_features)[rows]
+        codes, scales = self.rows(ids)
+        grouped = codes.view(len(ids), -1, GROUP_SIZE).float() * scales.unsqueeze(-1)
         return grouped.view(codes.shape)
 
 
@@ -277,7 +315,8 @@ class PackedLinear:
     """One projection held as a packed quantized form, optionally with a dense copy for large batches.
 
     Calls with at most `packed_max_rows` rows (or all calls, without a dense copy) run the packed kernel.
-    The dense copy is bf16, or fp32 where bf16 output is too coarse (the logits), prepacked for oneDNN.
+    The dense copy is bf16, or for an int4 LM head (fp32 logits) fp32, prepacked for oneDNN; a Q8_0 head
+    has none (its kernel serves every batch size).
     """
 
     packed: Int4Weight | Q8Weight
@@ -325,7 +364,9 @@ def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = 
     else:
         return dense_weight(weight, dense_dtype)
     dense = None
-    if thresholds.keep_dense:
+    # No float32 copy of a Q8_0 matrix: the tiled kernel computes the same fp32 product at every row count
+    # as fast as oneDNN's fp32 GEMM (BENCHMARKS.md), and the copy was 4x the codes (113 MB for the head).
+    if thresholds.keep_dense and not (isinstance(packed, Q8Weight) and dense_dtype == torch.float32):
         dense = prepack_dense(dense_weight(weight, dense_dtype))
     return PackedLinear(packed, dense, max_rows)
 
@@ -365,12 +406,15 @@ class QuantizedEmbedding:
     """Token embedding rows looked up from Q8_0 codes (exact: an int8 code times an fp16 scale fits fp32)."""
 
     def __init__(self, weight: Q8Weight) -> None:
-        self.codes = weight.codes  # shared with a tied LM head's Q8Weight: one copy serves both
-        self.scales = weight.scales
-        self.shape = tuple(weight.codes.shape)
+        self.weight = weight  # shared with a tied LM head: one copy of the codes serves both
+        self.shape = (weight.out_features, weight.in_features)
 
     def index_select(self, dim: int, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as float32 [T, hidden], like `Tensor.index_select(0, ids)`."""
-        assert dim == 0
-        rows = self.codes.index_select(0, ids).float().view(len(ids), -1, GROUP_SIZE)
-        return (rows * self.scales.index_select(0, ids).unsqueeze(-1)).view(len(ids), self.shape[1])
+        if dim != 0:
+            raise ValueError(f"QuantizedEmbedding looks up rows (dim 0), not dim {dim}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]):
+            raise IndexError(f"token ids must lie in [0, {self.shape[0]}), got {ids.min()}..{ids.max()}")
+        codes, scales = self.weight.rows(ids)
+        rows = codes.float().view(len(ids), -1, GROUP_SIZE) * scales.unsqueeze(-1)
+        return rows.view(len(ids), self.shape[1])

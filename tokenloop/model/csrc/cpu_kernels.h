@@ -10,8 +10,8 @@ void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key
                             const torch::Tensor& value_cache, const torch::Tensor& block_table,
                             const torch::Tensor& seq_lens, double scale, torch::Tensor& out);
 // q8_0_matmul.cpp
-void q8_0_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                 torch::Tensor& out);
+void q8_0_tiled_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                       torch::Tensor& out);
 // fused_layer_ops.cpp
 void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
                   torch::Tensor& out);

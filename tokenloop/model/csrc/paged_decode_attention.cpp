@@ -91,7 +91,7 @@ void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
-  m.def("q8_0_matmul", &q8_0_matmul, "x @ W.T for Q8_0 weights, float32 in and out");
+  m.def("q8_0_tiled_matmul", &q8_0_tiled_matmul, "x @ W.T for Q8_0 weights in 16-column tiles, float32 in and out");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta; out = RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up");
   m.def("rope_write_kv", &rope_write_kv, "rotate Q/K, store K/V at their slots");
