@@ -159,13 +159,18 @@ def analyze(args: argparse.Namespace) -> int:
     names = list(models)
     print("\nmeasured: period (call start to next call start); body (StepRecord end - start). "
           "predicted: mean ms and error vs the period")
-    print(f"{'kind':22} {'steps':>5} {'period':>7} {'body':>7} " + " ".join(f"{n[:18]:>18}" for n in names))
+    print(f"{'kind':22} {'steps':>5} {'period':>7} {'body':>7} " + " ".join(f"{n[:18]:>18}" for n in names)
+          + f"  share of '{names[0]}' missing time: all, ITL-weighted")
+    missing = float((period - predicted[names[0]]).sum())
+    missing_itl = float((rows * (period - predicted[names[0]])).sum())
     for name in sorted(groups) + ["all"]:
         idx = groups[name] if name != "all" else list(range(len(steps)))
         m = period[idx].mean()
         cells = [f"{1e3 * predicted[n][idx].mean():7.1f} {100 * (predicted[n][idx].mean() / m - 1):+6.0f}%"
                  + " " * 3 for n in names]
-        print(f"{name:22} {len(idx):5d} {1e3 * m:7.1f} {1e3 * body[idx].mean():7.1f} " + " ".join(cells))
+        gone = period[idx] - predicted[names[0]][idx]
+        print(f"{name:22} {len(idx):5d} {1e3 * m:7.1f} {1e3 * body[idx].mean():7.1f} " + " ".join(cells)
+              + f"  {100 * gone.sum() / missing:5.0f}% {100 * (rows[idx] * gone).sum() / missing_itl:5.0f}%")
     # What ITL sees: each step weighted by the tokens it samples.
     weighted = float((rows * period).sum() / rows.sum())
     print(f"{'token-weighted step':22} {int(rows.sum()):5d} {1e3 * weighted:7.1f} "
