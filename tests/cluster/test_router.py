@@ -351,3 +351,14 @@ def test_a_full_replica_waits_for_finishes_before_it_admits() -> None:
     assert decision.replica == 0 and decision.scores[1] > decision.scores[0] + 0.1
     holder.num_free_blocks = 100
     assert router.route(RouteRequest("r", prompt), [other, holder]).replica == 1
+
+
+def test_seed_costs_from_a_profile_count_rows_in_the_weight_form_they_run() -> None:
+    from tokenloop.sim.cost import StepCostModel, WeightForms
+
+    # One decode row runs the packed layers (2 ms a token); a 512-token chunk runs the dense copy.
+    model = StepCostModel(step=0.004, tokens=0.0003, packed_tokens=0.002, dense_layers=0.02,
+                          forms=WeightForms(layers_packed_max_tokens=16))
+    costs = StepCosts.from_cost_model(model)
+    assert costs.decode_row_s == pytest.approx(0.002)
+    assert costs.prefill_token_s == pytest.approx(0.0003 + 0.02 / 512)

@@ -81,3 +81,45 @@ def test_calibrate_fits_a_profile_that_simulate_then_runs(tmp_path: Path, tiny_m
     trace = tiny_trace(tmp_path / "t.jsonl")
     assert main(["simulate", "--trace", str(trace), "--profile", str(out), "--policies", "fcfs",
                  "--disable-tqdm"]) == 0
+
+
+def test_the_mixed_sweep_runs_chunks_next_to_decodes_and_every_decode_batch_size(tiny_model_dir: Path) -> None:
+    from tokenloop.cli.simulate import calibration_records
+
+    records, periods, _ = calibration_records(str(tiny_model_dir), [1], [8], 2, mixed_batches=[3, 9],
+                                              mixed_prompts=[4, 40])
+    mixed = {sum(c.num_tokens == 1 for c in r.scheduled) for r in records
+             if any(c.num_tokens == 1 for c in r.scheduled) and any(c.num_tokens > 1 for c in r.scheduled)}
+    assert {3, 9} <= mixed  # each arriving prompt's chunk ran next to the batch decoding
+    decodes = {len(r.scheduled) for r in records if all(c.num_tokens == 1 for c in r.scheduled)}
+    assert {1, 3, 4, 9, 10} <= decodes  # the batch alone, and with the arrival decoding too
+    assert {c.request_id.split("-")[0] for r in records for c in r.scheduled} == {"b1", "m3", "m9"}
+    # A step's period runs to the next step's start: its body, and the loop's processing after it. Where the
+    # sweep adds requests next (9 times here) it is the body and the loop's median gap instead.
+    assert len(periods) == len(records)
+    assert all(p >= (r.end_ns - r.start_ns) / 1e9 for r, p in zip(records, periods))
+    to_next = [p == pytest.approx((b.start_ns - a.start_ns) / 1e9, abs=1e-9)
+               for a, b, p in zip(records, records[1:], periods)]
+    assert sum(to_next) >= len(records) - 9
+
+
+def test_weight_forms_are_read_off_the_loaded_model(tiny_model_dir: Path) -> None:
+    from types import SimpleNamespace
+
+    from tokenloop.cli.simulate import weight_forms
+    from tokenloop.sim.cost import WeightForms
+
+    head = SimpleNamespace(weight=SimpleNamespace(form_for=lambda rows: "q8_0" if rows <= 8 else "float32"))
+    model = SimpleNamespace(weight_form=lambda rows: "int4" if rows <= 16 else "bfloat16", lm_head=head)
+    assert weight_forms(model) == WeightForms(layers_packed_max_tokens=16, head_packed_max_rows=8)
+    dense = SimpleNamespace(weight_form=lambda rows: "float32", lm_head=SimpleNamespace(weight=object()))
+    assert weight_forms(dense) == WeightForms()  # one form at every size
+
+
+def test_calibrate_without_the_mixed_sweep_and_bad_mixed_lists(tmp_path: Path, tiny_model_dir: Path,
+                                                               caplog) -> None:
+    out = tmp_path / "plain.json"
+    assert main(["simulate", "calibrate", "--model", str(tiny_model_dir), "--batches", "1,3", "--contexts", "8,40",
+                 "--decode-tokens", "4", "--mixed-batches", "none", "--out", str(out)]) == 0
+    assert "--mixed-batches none --mixed-prompts 8,24,96,320" in json.loads(out.read_text())["source"]
+    assert main(["simulate", "calibrate", "--model", str(tiny_model_dir), "--mixed-prompts", "8,x"]) == 2

@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from tokenloop.observe.records import ScheduledChunk, StepGauges, StepRecord
-from tokenloop.sim.cost import TERMS, StepCostModel, StepFeatures, features_of_record, fit, nnls
+from tokenloop.sim.cost import (
+    TERMS,
+    StepCostModel,
+    StepFeatures,
+    WeightForms,
+    features_of_record,
+    fit,
+    nnls,
+)
 from tokenloop.sim.profiles import ProfileError, load_profile, shipped_profiles
 
 
@@ -95,3 +103,79 @@ def test_overheads_add_outside_the_roofline_and_unknown_ones_are_refused() -> No
         StepCostModel.from_dict(base.as_dict(), "max", {"seqs": 1.0})
     with pytest.raises(ValueError, match="overhead_step"):
         StepCostModel(step=1e-3, overhead_step=-1.0)
+
+
+# ---- weight forms: the packed kernels up to a row count, the dense copies above -------------------
+
+FORMS = WeightForms(layers_packed_max_tokens=16, head_packed_max_rows=8)
+
+
+def decode_step(rows: int, context: int = 100) -> list[tuple[int, int, bool]]:
+    return [(context, 1, True)] * rows
+
+
+def test_form_switches_put_a_steps_rows_in_the_form_it_runs() -> None:
+    at_16 = features_of_record(synthetic_record(0, decode_step(16), 1), FORMS)
+    assert (at_16.packed_tokens, at_16.tokens, at_16.dense_layers) == (16, 0, 0)  # 16 tokens: still packed
+    assert (at_16.sampled_rows, at_16.packed_sampled_rows, at_16.dense_head) == (16, 0, 1)  # 16 > 8 rows
+    mixed = features_of_record(synthetic_record(0, [*decode_step(8), (0, 9, False)], 1), FORMS)
+    assert (mixed.packed_tokens, mixed.tokens, mixed.dense_layers) == (0, 17, 1)  # 17 tokens: the dense copy
+    assert (mixed.sampled_rows, mixed.packed_sampled_rows, mixed.dense_head) == (0, 8, 0)  # 8 rows: packed head
+    # One form at every size (no switches): everything in tokens and sampled_rows, the form terms 0.
+    plain = features_of_record(synthetic_record(0, [*decode_step(8), (0, 9, False)], 1))
+    assert (plain.tokens, plain.sampled_rows) == (17, 8)
+    assert plain.packed_tokens == plain.dense_layers == plain.packed_sampled_rows == plain.dense_head == 0
+
+
+def test_nnls_recovers_per_form_costs_that_one_linear_model_cannot_fit() -> None:
+    # Packed rows cost more each but read fewer bytes: the cost jumps down at 17 tokens and up at 9 rows.
+    truth = StepCostModel(step=0.008, tokens=3e-4, packed_tokens=2e-3, dense_layers=0.02, kv_read_tokens=1e-5,
+                          prefill_attn=1e-7, sampled_rows=2e-4, packed_sampled_rows=4e-4, dense_head=0.004,
+                          seqs=1e-4, forms=FORMS)
+    rng = random.Random(0)
+    records = []
+    for i in range(300):  # decodes of every size, and a prompt's chunk next to some of them
+        chunks = decode_step(rng.randint(1, 16), rng.choice([40, 200]))
+        if rng.random() < 0.4:
+            chunks.append((0, rng.choice([4, 8, 24, 96, 300]), rng.random() < 0.5))
+        records.append(synthetic_record(i, chunks, truth.step_ns(features_of_record(synthetic_record(0, chunks, 1),
+                                                                                    FORMS))))
+    report = fit(records, forms=FORMS)
+    assert report.model.forms == FORMS
+    for name in TERMS:
+        assert getattr(report.model, name) == pytest.approx(getattr(truth, name), rel=1e-3, abs=1e-9)
+    # The old terms draw one line through both forms: small steps on the dense copy are far off.
+    old = fit(records, trim=None).model
+    for chunks in ([*decode_step(16), (0, 1, False)], [*decode_step(2), (0, 24, True)]):
+        step = synthetic_record(0, chunks, 1)
+        assert abs(old.step_seconds(features_of_record(step)) / truth.step_seconds(features_of_record(step, FORMS))
+                   - 1) > 0.15
+
+
+def test_fit_takes_explicit_durations_one_per_record() -> None:
+    records = [synthetic_record(i, decode_step(b), 1_000_000) for i, b in enumerate([1, 2, 4, 8, 12, 16] * 3)]
+    periods = [0.002 + 0.001 * len(r.scheduled) for r in records]  # the loop's period, not the 1 ms bodies
+    model = fit(records, terms=("step", "seqs"), durations=periods).model
+    assert (model.step, model.seqs) == (pytest.approx(0.002), pytest.approx(0.001))
+    with pytest.raises(ValueError, match="3 durations for 18 records"):
+        fit(records, durations=periods[:3])
+
+
+def test_profiles_keep_their_form_switches_and_old_ones_load_with_the_new_terms_at_zero(tmp_path) -> None:
+    import json
+
+    from tokenloop.sim.profiles import FitReport, Profile, fitted_profile
+
+    model = StepCostModel(step=0.01, packed_tokens=2e-3, dense_layers=0.02, forms=FORMS)
+    document = fitted_profile("p", "m", "h", 8192, 1024, 16, FitReport(model, 10, 12, 0.05, 0.02), "cmd", "now")
+    assert document["cost"]["forms"] == {"layers_packed_max_tokens": 16, "head_packed_max_rows": 8}
+    loaded = Profile.from_json(json.loads(json.dumps(document))).cost_model
+    assert loaded == model
+    shipped = load_profile("cpu-smollm2-135m").cost_model  # written before the form terms existed
+    assert shipped.forms == WeightForms() and shipped.packed_tokens == shipped.dense_head == 0
+    for forms, message in (({"layers_max": 16}, "unknown weight form switch 'layers_max'"),
+                           ({"head_packed_max_rows": -1}, "head_packed_max_rows")):
+        path = tmp_path / "bad-forms.json"
+        path.write_text(json.dumps({**document, "cost": {**document["cost"], "forms": forms}}))
+        with pytest.raises(ProfileError, match=message):
+            load_profile(str(path))

@@ -13,7 +13,12 @@ from tokenloop.bench.trace import TraceRequest
 from tokenloop.llm import build_engine_config
 from tokenloop.observe.records import EngineObserver, StepRecord
 from tokenloop.request import NS_PER_S, SamplingParams
-from tokenloop.sim.cost import StepCostModel, StepFeatures, features_of_record
+from tokenloop.sim.cost import (
+    StepCostModel,
+    StepFeatures,
+    WeightForms,
+    features_of_record,
+)
 from tokenloop.sim.engine import SimulatedEngine
 
 COST = StepCostModel(step=0.010, tokens=0.0002, kv_read_tokens=1e-6, prefill_attn=1e-8, sampled_rows=1e-4,
@@ -103,3 +108,19 @@ def test_roofline_cost_is_the_slower_side() -> None:
     assert roof.critical_path(StepFeatures(tokens=1)) == "bandwidth"
     assert abs(roof.step_seconds(StepFeatures(tokens=1000)) - 0.01) < 1e-12
     assert roof.critical_path(StepFeatures(tokens=1000)) == "compute"
+
+
+def test_the_runner_prices_each_step_in_the_weight_form_its_rows_run() -> None:
+    # Packed up to 4 tokens (2 ms a token), a dense copy above (50 ms more, nothing a token).
+    forms = WeightForms(layers_packed_max_tokens=4)
+    cost = StepCostModel(step=0.001, packed_tokens=0.002, dense_layers=0.05, forms=forms)
+    clock = VirtualClock()
+    keep = Keep()
+    engine = SimulatedEngine(build_engine_config("simulated", block_size=4, num_blocks=64), cost, clock,
+                             vocab_size=VOCAB, max_model_len=256, kv_bytes_per_token=1024, observers=[keep])
+    engine.add_request("a", None, greedy_params(3), prompt_token_ids=list(range(1, 11)), arrival_ns=0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    # A 10-token prefill on the dense copy, then two 1-token decodes on the packed form.
+    assert [r.num_batched_tokens for r in keep.records] == [10, 1, 1]
+    assert clock() == round(0.051 * NS_PER_S) + 2 * round(0.003 * NS_PER_S)

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -78,6 +79,12 @@ def add_simulate_subparser(subparsers: Any) -> argparse.ArgumentParser:
     calibrate.add_argument("--contexts", default="32,256", help="sweep prompt lengths (default: %(default)s)")
     calibrate.add_argument("--decode-tokens", type=positive_int, default=12,
                            help="tokens each sweep request generates (default: %(default)s)")
+    defaults = Sweep()
+    calibrate.add_argument("--mixed-batches", default=",".join(map(str, defaults.mixed_batches)),
+                           help="decode batch sizes the mixed sweep runs while prompts arrive, or none "
+                                "(default: %(default)s)")
+    calibrate.add_argument("--mixed-prompts", default=",".join(map(str, defaults.mixed_prompts)),
+                           help="prompt lengths arriving next to each mixed batch, or none (default: %(default)s)")
     calibrate.add_argument("--out", help="calibrate: also write the profile to this file (it is always cached)")
     from tokenloop.cli.simulate_validate import add_validate_args
 
@@ -235,13 +242,12 @@ def _simulate(args: argparse.Namespace) -> int:
         return 2
     trace = load_trace(args.trace)  # TraceFormatError names the file, line and field
     try:
-        batches, contexts = _int_list(args.batches, "batches"), _int_list(args.contexts, "contexts")
+        sweep = sweep_of(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # ProfileError (a TokenloopError): main prints it, exit 2
-    profile = resolve_profile(args.profile, args.model, args.dtype, args.block_size,
-                              Sweep(batches, contexts, args.decode_tokens, args.seed))
+    profile = resolve_profile(args.profile, args.model, args.dtype, args.block_size, sweep)
     if args.max_requests:
         trace = trace[:args.max_requests]
     trace = _tokenized(trace, profile.model)
@@ -274,13 +280,24 @@ def _int_list(text: str, name: str) -> list[int]:
     except ValueError:
         values = []
     if not values or min(values) < 1:
-        raise ValueError(f"--{name} must be a comma-separated list of ints >= 1, got {text!r}")
+        raise ValueError(f"--{name} must be a comma-separated list of ints >= 1"
+                         + (" or none" if name.startswith("mixed") else "") + f", got {text!r}")
     return values
 
 
 def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[int], decode_tokens: int,
-                        seed: int = 0, dtype: str = "auto", block_size: int | None = None) -> tuple[list[Any], Any]:
-    """Run the real engine over batch x context (prefix caching off) and keep every step's record."""
+                        seed: int = 0, dtype: str = "auto", block_size: int | None = None,
+                        mixed_batches: Sequence[int] = (), mixed_prompts: Sequence[int] = (),
+                        ) -> tuple[list[Any], list[float], Any]:
+    """Run the real engine over the sweep (prefix caching off); every step's record, its period (seconds
+    from its start to the next step's, as a serving loop sees it) and the engine.
+
+    First batch x context: `batch` prompts of `context` tokens arrive at once and decode `decode_tokens`
+    tokens (pure prefill steps, then pure decode steps). Then, for each of `mixed_batches`, that many
+    requests decode while prompts of each of `mixed_prompts` tokens arrive one at a time: the steps
+    serving produces, a prompt's chunks next to running decodes, and decode batches of every size around
+    the weight forms' switches.
+    """
     from tokenloop.engine import LLMEngine
     from tokenloop.llm import build_engine_config
     from tokenloop.observe.records import EngineObserver, StepRecord
@@ -292,40 +309,98 @@ def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[i
         def on_step(self, record: StepRecord) -> None:
             records.append(record)
 
-    config = build_engine_config(model, enable_prefix_caching=False, max_num_seqs=max(batches),
-                                 max_num_batched_tokens=max(512, max(contexts)), seed=seed, dtype=dtype,
+    longest = max([*contexts, *mixed_prompts])
+    config = build_engine_config(model, enable_prefix_caching=False,
+                                 max_num_seqs=max([*batches, *(b + 1 for b in mixed_batches)]),
+                                 max_num_batched_tokens=max(512, longest), seed=seed, dtype=dtype,
                                  **({"block_size": block_size} if block_size else {}))
     engine = LLMEngine(config, observers=[Keep()])
     rng = random.Random(seed)
     high = min(1000, engine.core.vocab_size)  # ids any vocabulary holds; no special meaning to them
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
-    engine.add_request("warmup", None, params, prompt_token_ids=[rng.randrange(10, high) for _ in range(16)])
-    while engine.has_unfinished_requests():
-        engine.step()
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(10, high) for _ in range(length)]
+
+    direct: list[bool] = []  # whether the record's step was followed at once by the next one
+
+    def run_until(done: Any) -> None:
+        while not done():
+            before = len(records)
+            engine.step()
+            if len(records) > before:
+                direct[len(direct):] = [True] * (len(records) - len(direct))
+        if direct:
+            direct[-1] = False  # requests are added next: the gap is the sweep's, not the loop's
+
+    engine.add_request("warmup", None, params, prompt_token_ids=prompt(16))
+    run_until(lambda: not engine.has_unfinished_requests())
     records.clear()  # the first steps pay one-time costs
+    direct.clear()
     for batch in batches:
         for context in contexts:
             for i in range(batch):
-                ids = [rng.randrange(10, high) for _ in range(context)]
-                engine.add_request(f"b{batch}-c{context}-{i}", None, params, prompt_token_ids=ids)
-            while engine.has_unfinished_requests():
-                engine.step()
-    return records, engine
+                engine.add_request(f"b{batch}-c{context}-{i}", None, params, prompt_token_ids=prompt(context))
+            run_until(lambda: not engine.has_unfinished_requests())
+    for batch in mixed_batches:
+        # Long enough to outlast every arrival of this batch (each needs its chunks and two decodes).
+        # (Some decode already while the others prefill, then two decode steps alone: 64 spare.)
+        lasting = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64 + sum(
+            3 + -(-p // max(1, config.scheduler.max_num_batched_tokens - batch)) for p in mixed_prompts))
+        background = [f"m{batch}-{i}" for i in range(batch)]
+        for i, request_id in enumerate(background):
+            engine.add_request(request_id, None, lasting, prompt_token_ids=prompt(contexts[i % len(contexts)]))
+        run_until(lambda: engine.scheduler.num_waiting == 0 and all(
+            r.num_output_tokens > 0 for r in engine.scheduler.running_requests()))
+        decoded = len(records)
+        run_until(lambda decoded=decoded: len(records) >= decoded + 2)  # two pure decode steps of `batch` rows
+        for length in mixed_prompts:
+            arrival = f"m{batch}-p{length}"
+            engine.add_request(arrival, None, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                               prompt_token_ids=prompt(length))
+            run_until(lambda arrival=arrival: arrival not in {
+                r.request_id for r in engine.scheduler.running_requests()} and engine.scheduler.num_waiting == 0)
+        engine.abort_request(background)
+    gaps = [b.start_ns - a.end_ns for a, b, d in zip(records, records[1:], direct) if d]
+    gap = float(statistics.median(gaps)) if gaps else 0.0
+    periods = [((b.start_ns - a.start_ns) if d else (a.end_ns - a.start_ns + gap)) / 1e9
+               for a, b, d in zip(records, [*records[1:], records[-1]], direct)]
+    return records, periods, engine
+
+
+def weight_forms(model: Any, max_rows: int = 4096) -> Any:
+    """Where a loaded model switches weight forms by rows (`WeightForms`): the layers by batched tokens
+    (`model.weight_form`), the LM head by sampled rows (its `PackedLinear`'s `form_for`)."""
+    from tokenloop.sim.cost import WeightForms
+
+    def last_of_first_form(form_for: Any) -> int | None:
+        first = form_for(1)
+        return next((rows - 1 for rows in range(2, max_rows + 1) if form_for(rows) != first), None)
+
+    head = getattr(model, "lm_head", None)
+    head = getattr(head, "weight", head)  # the LMHead wrapper holds the projection
+    return WeightForms(last_of_first_form(model.weight_form),
+                       last_of_first_form(head.form_for) if hasattr(head, "form_for") else None)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
-    """A calibration sweep: every batch size x prompt length, each request generating `decode_tokens`."""
+    """A calibration sweep: every batch size x prompt length, each request generating `decode_tokens`;
+    then each of `mixed_batches` decoding while prompts of each of `mixed_prompts` tokens arrive."""
 
     batches: Sequence[int] = (1, 4, 16)
     contexts: Sequence[int] = (32, 256)
     decode_tokens: int = 12
     seed: int = 0
+    mixed_batches: Sequence[int] = (1, 2, 4, 6, 8, 9, 12, 15)
+    mixed_prompts: Sequence[int] = (8, 24, 96, 320)
 
     def command(self, model: str, dtype: str, block_size: int, out: str | None = None) -> str:
         words = ["tokenloop", "simulate", "calibrate", "--model", model, "--dtype", dtype, "--block-size",
                  str(block_size), "--batches", ",".join(map(str, self.batches)), "--contexts",
-                 ",".join(map(str, self.contexts)), "--decode-tokens", str(self.decode_tokens)]
+                 ",".join(map(str, self.contexts)), "--decode-tokens", str(self.decode_tokens),
+                 "--mixed-batches", ",".join(map(str, self.mixed_batches)) or "none",
+                 "--mixed-prompts", ",".join(map(str, self.mixed_prompts)) or "none"]
         return " ".join(words + (["--out", out] if out else []))
 
 
@@ -334,9 +409,11 @@ def calibrate_profile(key: Any, sweep: Sweep, name: str, out: str | None = None)
     from tokenloop.sim.cost import fit
     from tokenloop.sim.profiles import fitted_profile
 
-    records, engine = calibration_records(key.model, sweep.batches, sweep.contexts, sweep.decode_tokens,
-                                          sweep.seed, key.dtype, key.block_size)
-    report = fit(records)
+    records, periods, engine = calibration_records(key.model, sweep.batches, sweep.contexts, sweep.decode_tokens,
+                                                   sweep.seed, key.dtype, key.block_size, sweep.mixed_batches,
+                                                   sweep.mixed_prompts)
+    # Each step's period (start to the next start): what a serving loop's ITL sees, output processing in.
+    report = fit(records, forms=weight_forms(engine.model), durations=periods)
     document = fitted_profile(name, key.model, f"this machine ({key.machine}), {engine.dtype_choice.describe()}",
                               engine.max_model_len, engine.model.kv_bytes_per_block(1), engine.kv_cache.block_size,
                               report, sweep.command(key.model, key.dtype, key.block_size, out),
@@ -358,7 +435,8 @@ def calibrated_profile(model: str | None, dtype: str = "auto", block_size: int |
         return profile
     sweep = sweep or Sweep()
     print(f"calibrating {key.model} (dtype {key.dtype}, block size {key.block_size}) on {key.machine}: "
-          f"{len(sweep.batches) * len(sweep.contexts)} sweep points ...", file=sys.stderr)
+          f"{len(sweep.batches) * len(sweep.contexts)} sweep points and {len(sweep.mixed_batches)} mixed "
+          f"batches x {len(sweep.mixed_prompts)} arriving prompts ...", file=sys.stderr)
     began = time.perf_counter()
     document = calibrate_profile(key, sweep, name=Path(out).stem if out else key.path().stem, out=out)
     path = profiles.write_cached_profile(key, document)
@@ -384,10 +462,19 @@ def resolve_profile(name: str | None, model: str | None, dtype: str = "auto", bl
     return profile
 
 
+def sweep_of(args: argparse.Namespace) -> Sweep:
+    """The calibration sweep the command line asks for; ValueError naming a bad list."""
+    def optional(text: str, name: str) -> list[int]:
+        return [] if text.strip().lower() == "none" else _int_list(text, name)
+
+    return Sweep(_int_list(args.batches, "batches"), _int_list(args.contexts, "contexts"), args.decode_tokens,
+                 args.seed, optional(args.mixed_batches, "mixed-batches"),
+                 optional(args.mixed_prompts, "mixed-prompts"))
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     try:
-        sweep = Sweep(_int_list(args.batches, "batches"), _int_list(args.contexts, "contexts"),
-                      args.decode_tokens, args.seed)
+        sweep = sweep_of(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -347,7 +347,7 @@ DEFAULT_ENGINE = {"num_blocks": 48, "max_num_seqs": 16, "max_num_batched_tokens"
 
 def run_validate(args: argparse.Namespace) -> int:
     from tokenloop.bench.cli import replay_engine_options
-    from tokenloop.cli.simulate import Sweep, _int_list, resolve_profile
+    from tokenloop.cli.simulate import resolve_profile, sweep_of
     from tokenloop.model.loader import DEFAULT_MODEL
 
     model = args.model or DEFAULT_MODEL
@@ -360,8 +360,7 @@ def run_validate(args: argparse.Namespace) -> int:
             output_len=_parse_range(args.output_len), prompt_len_median=args.prompt_len_median,
             max_prompt_len=args.max_prompt_len, capacity_from=args.capacity_from,
             capacity_requests=args.capacity_requests, clock=args.clock, seed=args.seed)
-        sweep = Sweep(_int_list(args.batches, "batches"), _int_list(args.contexts, "contexts"),
-                      args.decode_tokens, args.seed)
+        sweep = sweep_of(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

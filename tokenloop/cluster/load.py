@@ -26,7 +26,13 @@ import numpy as np
 from tokenloop.core.kv_events import KVEventBatch, KVIndexMirror, KVIndexSnapshot
 from tokenloop.core.messages import CoreOutputs
 from tokenloop.observe.records import StepRecord
-from tokenloop.sim.cost import StepCostModel, StepFeatures, features_of_record, nnls
+from tokenloop.sim.cost import (
+    StepCostModel,
+    StepFeatures,
+    features_of_chunks,
+    features_of_record,
+    nnls,
+)
 
 DEFAULT_MAX_STALENESS_S = 2.0
 DEFAULT_RECENT_BLOCKS = 4096  # the fallback's bound before a replica has reported its cache size
@@ -45,8 +51,9 @@ class StepCosts:
         """The marginal costs a profile's model implies: a bare step, a `context`-token prefill chunk
         from position 0, and one decode row at `context` (roofline profiles included)."""
         bare = model.step_seconds(StepFeatures())
-        chunk = model.step_seconds(StepFeatures(1.0, context, context, context * context, 1, 1))
-        decode = model.step_seconds(StepFeatures(1.0, 1, context + 1, 0, 1, 1))
+        # Counted as the model counts them: a calibrated profile puts each weight form's rows in its terms.
+        chunk = model.step_seconds(features_of_chunks([(0, context, True)], model.forms))
+        decode = model.step_seconds(features_of_chunks([(context, 1, True)], model.forms))
         return cls(bare, max(chunk - bare, 0.0) / context, max(decode - bare, 0.0))
 
 

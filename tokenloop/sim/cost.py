@@ -11,6 +11,21 @@ A step's terms are counted from what it computes (a `SchedulerOutput` before the
 - `sampled_rows`: rows that reach the LM head (only sampling rows do).
 - `seqs`: scheduled sequences (per-row bookkeeping: block tables, sampling parameters).
 
+An engine may run its weights in two forms chosen by the step's row count (`WeightForms`): on this CPU
+the layers run torch's packed int4 kernel for up to 16 batched tokens and a bf16 copy above, the LM head
+our Q8_0 kernel for up to 8 sampled rows and an fp32 copy above. The forms read different bytes and cost
+differently per row, so a step's cost is not linear in its tokens across a switch. With switch points
+set, the tokens and sampled rows of a step that runs the packed form count in their own terms, and a
+step that runs the dense copy pays its extra weight bytes once:
+
+- `packed_tokens`: batched tokens of a step whose layers run the packed form (`tokens` then counts 0).
+- `dense_layers`: 1 when the layers run the dense copy (its weight bytes above the packed form's).
+- `packed_sampled_rows`: sampled rows of a step whose head runs the packed form (`sampled_rows`: 0).
+- `dense_head`: 1 when the head runs the dense copy.
+
+Without switch points (one form at every size: the GPU profiles) these four count 0 and `tokens` and
+`sampled_rows` count everything, as before.
+
 Coefficients are seconds per unit and never negative, so a fit cannot explain time away with a negative
 term (the ill-conditioning of free least squares on collinear step features). `combine="sum"` adds the
 terms (what a fit produces); `combine="max"` is a roofline: the step lasts as long as the slower of its
@@ -34,11 +49,48 @@ import numpy as np
 from tokenloop.core.scheduler import SchedulerOutput
 from tokenloop.observe.records import StepRecord
 
-TERMS = ("step", "tokens", "kv_read_tokens", "prefill_attn", "sampled_rows", "seqs")
-BANDWIDTH_TERMS = ("step", "kv_read_tokens")
-COMPUTE_TERMS = ("tokens", "prefill_attn", "sampled_rows")
+TERMS = ("step", "tokens", "kv_read_tokens", "prefill_attn", "sampled_rows", "seqs",
+         "packed_tokens", "dense_layers", "packed_sampled_rows", "dense_head")
+BANDWIDTH_TERMS = ("step", "kv_read_tokens", "dense_layers", "dense_head")
+COMPUTE_TERMS = ("tokens", "prefill_attn", "sampled_rows", "packed_tokens", "packed_sampled_rows")
+FORM_TERMS = ("packed_tokens", "dense_layers", "packed_sampled_rows", "dense_head")  # count 0 without forms
 COMBINES = ("sum", "max")
 OVERHEADS = ("overhead_step", "overhead_tokens")  # outside the roofline; `from_dict`'s "overheads" keys
+
+
+@dataclass(frozen=True, slots=True)
+class WeightForms:
+    """Where the engine switches weight forms by rows; None: one form at every size.
+
+    `layers_packed_max_tokens`: the most batched tokens whose layers still run the packed form.
+    `head_packed_max_rows`: the most sampled rows whose LM head still runs the packed form.
+    """
+
+    layers_packed_max_tokens: int | None = None
+    head_packed_max_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("layers_packed_max_tokens", "head_packed_max_rows"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"weight form switch {name!r} must be an int >= 0 or null, got {value!r}")
+
+    def as_dict(self) -> dict[str, int]:
+        """The switch points that are set (a profile's "forms")."""
+        return {name: value for name in ("layers_packed_max_tokens", "head_packed_max_rows")
+                if (value := getattr(self, name)) is not None}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, int] | None) -> WeightForms:
+        values = values or {}
+        valid = ("layers_packed_max_tokens", "head_packed_max_rows")
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown weight form switch {unknown[0]!r} (valid: {', '.join(valid)})")
+        return cls(**values)
+
+
+ONE_FORM = WeightForms()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +103,17 @@ class StepFeatures:
     prefill_attn: float = 0.0
     sampled_rows: float = 0.0
     seqs: float = 0.0
+    packed_tokens: float = 0.0
+    dense_layers: float = 0.0
+    packed_sampled_rows: float = 0.0
+    dense_head: float = 0.0
 
     def vector(self) -> np.ndarray:
         return np.array([getattr(self, name) for name in TERMS], dtype=np.float64)
 
 
-def _features(chunks: Iterable[tuple[int, int, bool]]) -> StepFeatures:
-    """From (first position, tokens, samples) per row."""
+def features_of_chunks(chunks: Iterable[tuple[int, int, bool]], forms: WeightForms = ONE_FORM) -> StepFeatures:
+    """From (first position, tokens, samples) per row, each form's rows in its own terms."""
     tokens = kv = attn = sampled = seqs = 0
     for start, q, samples in chunks:
         context = start + q
@@ -67,17 +123,26 @@ def _features(chunks: Iterable[tuple[int, int, bool]]) -> StepFeatures:
             attn += q * context
         sampled += samples
         seqs += 1
-    return StepFeatures(1.0, tokens, kv, attn, sampled, seqs)
+    layers_max, head_max = forms.layers_packed_max_tokens, forms.head_packed_max_rows
+    packed_layers = layers_max is not None and tokens <= layers_max
+    packed_head = head_max is not None and sampled <= head_max
+    return StepFeatures(
+        1.0, 0 if packed_layers else tokens, kv, attn, 0 if packed_head else sampled, seqs,
+        packed_tokens=tokens if packed_layers else 0,
+        dense_layers=float(layers_max is not None and not packed_layers),
+        packed_sampled_rows=sampled if packed_head else 0,
+        dense_head=float(head_max is not None and not packed_head))
 
 
-def features_of_schedule(schedule: SchedulerOutput) -> StepFeatures:
+def features_of_schedule(schedule: SchedulerOutput, forms: WeightForms = ONE_FORM) -> StepFeatures:
     """The terms of a step about to run (the simulator prices it before it happens)."""
-    return _features((item.num_computed_tokens, item.num_tokens, item.samples) for item in schedule.scheduled)
+    return features_of_chunks(((item.num_computed_tokens, item.num_tokens, item.samples) for item in schedule.scheduled),
+                     forms)
 
 
-def features_of_record(record: StepRecord) -> StepFeatures:
+def features_of_record(record: StepRecord, forms: WeightForms = ONE_FORM) -> StepFeatures:
     """The terms of a step a real engine ran."""
-    return _features((c.start, c.num_tokens, c.samples) for c in record.scheduled)
+    return features_of_chunks(((c.start, c.num_tokens, c.samples) for c in record.scheduled), forms)
 
 
 @dataclass(frozen=True)
@@ -90,9 +155,14 @@ class StepCostModel:
     prefill_attn: float = 0.0
     sampled_rows: float = 0.0
     seqs: float = 0.0
+    packed_tokens: float = 0.0
+    dense_layers: float = 0.0
+    packed_sampled_rows: float = 0.0
+    dense_head: float = 0.0
     combine: str = "sum"
     overhead_step: float = 0.0
     overhead_tokens: float = 0.0
+    forms: WeightForms = ONE_FORM  # where the weight forms switch: how `features` counts a step
 
     def __post_init__(self) -> None:
         if self.combine not in COMBINES:
@@ -110,15 +180,21 @@ class StepCostModel:
     def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in TERMS}
 
+    def features(self, schedule: SchedulerOutput) -> StepFeatures:
+        """A schedule's terms as this model counts them (its weight forms)."""
+        return features_of_schedule(schedule, self.forms)
+
     def overheads(self) -> dict[str, float]:
         """The overheads outside the roofline, by the names a profile's "overheads" uses."""
         return {"step": self.overhead_step, "tokens": self.overhead_tokens}
 
     def _parts(self, f: StepFeatures) -> tuple[float, float, float]:
         """(bandwidth seconds, compute seconds, overhead seconds) of one step."""
-        bandwidth = self.step * f.step + self.kv_read_tokens * f.kv_read_tokens
+        bandwidth = (self.step * f.step + self.kv_read_tokens * f.kv_read_tokens
+                     + self.dense_layers * f.dense_layers + self.dense_head * f.dense_head)
         compute = (self.tokens * f.tokens + self.prefill_attn * f.prefill_attn
-                   + self.sampled_rows * f.sampled_rows)
+                   + self.sampled_rows * f.sampled_rows + self.packed_tokens * f.packed_tokens
+                   + self.packed_sampled_rows * f.packed_sampled_rows)
         return bandwidth, compute, (self.seqs * f.seqs + self.overhead_step * f.step
                                     + self.overhead_tokens * f.tokens)
 
@@ -139,8 +215,10 @@ class StepCostModel:
 
     @classmethod
     def from_dict(cls, values: dict[str, float], combine: str = "sum",
-                  overheads: dict[str, float] | None = None) -> StepCostModel:
-        """From a profile's "coefficients" (TERMS) and optional "overheads" ({"step": s, "tokens": s})."""
+                  overheads: dict[str, float] | None = None, forms: dict[str, int] | None = None,
+                  ) -> StepCostModel:
+        """From a profile's "coefficients" (TERMS; a term left out is 0), optional "overheads" ({"step": s,
+        "tokens": s}) and optional "forms" (`WeightForms`' switch points)."""
         unknown = sorted(set(values) - set(TERMS))
         if unknown:
             raise ValueError(f"unknown cost term {unknown[0]!r} (valid: {', '.join(TERMS)})")
@@ -150,7 +228,7 @@ class StepCostModel:
         if unknown:
             raise ValueError(f"unknown overhead {unknown[0]!r} (valid: {', '.join(valid)})")
         return cls(**{k: float(v) for k, v in values.items()}, combine=combine,
-                   **{f"overhead_{k}": float(v) for k, v in overheads.items()})
+                   **{f"overhead_{k}": float(v) for k, v in overheads.items()}, forms=WeightForms.from_dict(forms))
 
 
 # ---- fitting -------------------------------------------------------------------------------------
@@ -202,26 +280,38 @@ class FitReport:
     mean_step_s: float
 
 
-def fit(records: Sequence[StepRecord], *, terms: Sequence[str] = TERMS, duration: str = "step",
-        relative: bool = True, trim: float | None = 3.0, rounds: int = 3) -> FitReport:
+def fit(records: Sequence[StepRecord], *, terms: Sequence[str] | None = None, forms: WeightForms = ONE_FORM,
+        duration: str = "step", durations: Sequence[float] | None = None, relative: bool = True,
+        trim: float | None = 3.0, rounds: int = 3) -> FitReport:
     """Fit a `combine="sum"` model to real steps: each record's features against its duration.
 
+    `terms`: the terms fitted (default: every term, less the form terms without `forms`); the others stay
+    0. `forms`: the engine's weight form switches, counted into the features and kept in the model.
     `duration`: "step" (end - start: the whole loop body, the time the next step waits for) or "forward"
-    (the model forward alone). `relative`: minimise relative errors (each row divided by its duration),
-    so a few multi-second prefill steps do not outweigh the many short decode steps. `trim`: refit
-    without the steps whose relative error exceeds `trim` x the median (up to `rounds` times, keeping at
-    least half): on a shared machine another process's burst only ever adds time to a step, and such
-    steps say nothing about the engine. Terms left out of `terms` stay 0.
+    (the model forward alone); `durations` (seconds, one per record) replaces either, e.g. the loop's
+    period from one step's start to the next one's. `relative`: minimise relative errors (each row
+    divided by its duration), so a few multi-second prefill steps do not outweigh the many short decode
+    steps. `trim`: refit without the steps whose relative error exceeds `trim` x the median (up to
+    `rounds` times, keeping at least half): on a shared machine another process's burst only ever adds
+    time to a step, and such steps say nothing about the engine.
     """
+    if terms is None:
+        terms = [t for t in TERMS if forms != ONE_FORM or t not in FORM_TERMS]
     unknown = [t for t in terms if t not in TERMS]
     if unknown:
         raise ValueError(f"unknown cost term {unknown[0]!r} (valid: {', '.join(TERMS)})")
-    steps = [r for r in records if r.scheduled]
+    if durations is not None and len(durations) != len(records):
+        raise ValueError(f"{len(durations)} durations for {len(records)} records")
+    chosen = [i for i, r in enumerate(records) if r.scheduled]
+    steps = [records[i] for i in chosen]
     if len(steps) < len(terms):
         raise ValueError(f"{len(steps)} steps cannot fit {len(terms)} terms")
     columns = [TERMS.index(t) for t in terms]
-    a = np.stack([features_of_record(r).vector()[columns] for r in steps])
-    b = np.array([(r.end_ns - r.start_ns if duration == "step" else r.forward_ns) / 1e9 for r in steps])
+    a = np.stack([features_of_record(r, forms).vector()[columns] for r in steps])
+    if durations is not None:
+        b = np.array([float(durations[i]) for i in chosen])
+    else:
+        b = np.array([(r.end_ns - r.start_ns if duration == "step" else r.forward_ns) / 1e9 for r in steps])
     weights = 1.0 / np.maximum(b, 1e-9) if relative else np.ones_like(b)
     keep = np.ones(len(b), dtype=bool)
     for round_ in range(rounds if trim else 1):
@@ -233,5 +323,5 @@ def fit(records: Sequence[StepRecord], *, terms: Sequence[str] = TERMS, duration
         if (rel <= bound).sum() < len(terms) or (rel <= bound).all():
             break
         keep = rel <= bound
-    model = StepCostModel(**{t: float(v) for t, v in zip(terms, x)})
+    model = StepCostModel(**{t: float(v) for t, v in zip(terms, x)}, forms=forms)
     return FitReport(model, int(keep.sum()), len(b), float(np.median(rel[keep])), float(b[keep].mean()))

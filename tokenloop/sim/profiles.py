@@ -53,7 +53,8 @@ class Profile:
         where = path or "profile"
         try:
             cost = data["cost"]
-            model = StepCostModel.from_dict(cost["coefficients"], cost.get("combine", "sum"), cost.get("overheads"))
+            model = StepCostModel.from_dict(cost["coefficients"], cost.get("combine", "sum"), cost.get("overheads"),
+                                            cost.get("forms"))
             return cls(name=str(data["name"]), model=str(data["model"]), hardware=str(data["hardware"]),
                        cost_model=model, max_model_len=int(data["max_model_len"]),
                        kv_bytes_per_token=int(data["kv_bytes_per_token"]),
@@ -192,7 +193,8 @@ def fitted_profile(name: str, model: str, hardware: str, max_model_len: int, kv_
     return {
         "name": name, "model": model, "hardware": hardware,
         "max_model_len": max_model_len, "kv_bytes_per_token": kv_bytes_per_token, "block_size": block_size,
-        "cost": {"combine": "sum", "coefficients": report.model.as_dict()},
+        "cost": {"combine": "sum", "coefficients": report.model.as_dict(),
+                 **({"forms": report.model.forms.as_dict()} if report.model.forms.as_dict() else {})},
         "source": command,
         "sources": {"coefficients": f"NNLS fit (relative errors) of step durations (end - start) over "
                                     f"{report.num_steps} of {report.num_records} real steps, the others "

@@ -22,7 +22,7 @@ from tokenloop.core.engine_core import EngineCore
 from tokenloop.core.scheduler import SchedulerOutput
 from tokenloop.observe.records import Observes
 from tokenloop.runner import RunnerOutput
-from tokenloop.sim.cost import StepCostModel, features_of_schedule
+from tokenloop.sim.cost import StepCostModel
 
 WEIGHT_FORM = "simulated"
 
@@ -79,7 +79,7 @@ class SimulatedRunner:
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """The step's logits (one-hot on the dictated token per sampling row), its modelled time passed."""
-        features = features_of_schedule(output)
+        features = self.cost_model.features(output)
         cost_ns = self.cost_model.step_ns(features)
         self.clock.advance_by(cost_ns)
         self.modelled_ns += cost_ns
