@@ -24,8 +24,28 @@ def test_keys_differ_by_each_field_and_name_this_machine() -> None:
     base = CalibrationKey.here("m")
     assert base.machine == this_machine() and "cores" in base.machine
     others = [CalibrationKey(base.machine + "!", "m", "auto", 16), CalibrationKey.here("m2"),
-              CalibrationKey.here("m", "float32"), CalibrationKey.here("m", block_size=32)]
-    assert len({k.filename() for k in [base, *others]}) == 5
+              CalibrationKey.here("m", "float32"), CalibrationKey.here("m", block_size=32),
+              CalibrationKey(base.machine, "m", "auto", 16, engine=base.engine + "!")]
+    assert len({k.filename() for k in [base, *others]}) == 6
+
+
+def test_the_engine_fingerprint_follows_the_step_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A changed kernel or runner names another cached profile: the old engine's costs are never reused."""
+    import tokenloop.sim.profiles as profiles
+
+    package = tmp_path / "tokenloop"
+    (package / "model" / "csrc").mkdir(parents=True)
+    (package / "sim").mkdir()
+    kernel = package / "model" / "csrc" / "k.cpp"
+    kernel.write_text("int a;")
+    (package / "runner.py").write_text("x = 1")
+    monkeypatch.setattr(profiles, "__file__", str(package / "sim" / "profiles.py"))
+    first = profiles.engine_fingerprint()
+    assert profiles.engine_fingerprint() == first  # deterministic
+    kernel.write_text("int b;")
+    second = profiles.engine_fingerprint()
+    (package / "runner.py").write_text("x = 2")
+    assert len({first, second, profiles.engine_fingerprint()}) == 3
 
 
 def test_calibrate_caches_and_simulate_without_profile_uses_it(tmp_path: Path, tiny_model_dir: Path,

@@ -5,7 +5,7 @@ as a path. A profile's file says where each number came from (`source`, `sources
 
 Calibrated profiles of the machine a command runs on are cached under `$TOKENLOOP_CACHE_DIR/profiles/`
 (default `~/.cache/tokenloop/profiles/`), one file per `CalibrationKey`: the machine (CPU model and core
-count), the model, the dtype and the block size, each of which changes step costs. `simulate calibrate`
+count), the model, the dtype, the block size and the engine's step code, each of which changes step costs. `simulate calibrate`
 writes the file; a cached profile whose recorded key is not the one asked for is refused, both named.
 """
 
@@ -134,14 +134,35 @@ def this_machine() -> str:
     return f"{cpu_name()} x{os.cpu_count() or 1} cores"
 
 
+_ENGINE_SOURCES = ("model", "runner.py", "sampler.py", "sampling_ops.py")  # under tokenloop/: what prices a step
+
+
+def engine_fingerprint() -> str:
+    """A short hash of the code that runs a step (the model, its C++ kernels, the runner, the sampler) and of
+    torch's version: a faster kernel makes every cached profile of the engine before it wrong."""
+    import torch  # only here: the rest of this module stays importable without torch's start-up cost
+
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(torch.__version__.encode())
+    for name in _ENGINE_SOURCES:
+        root = package / name
+        for path in sorted(root.rglob("*") if root.is_dir() else [root]):
+            if path.is_file() and path.suffix in (".py", ".cpp", ".h"):
+                digest.update(path.relative_to(package).as_posix().encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 @dataclass(frozen=True)
 class CalibrationKey:
-    """What a calibrated profile's step costs depend on."""
+    """What a calibrated profile's step costs depend on: the machine, the model and its dtype and block size,
+    and the version of the engine's step code (`engine_fingerprint`)."""
 
     machine: str
     model: str
     dtype: str
     block_size: int
+    engine: str = field(default_factory=engine_fingerprint)
 
     @classmethod
     def here(cls, model: str, dtype: str = "auto", block_size: int = 16) -> CalibrationKey:
