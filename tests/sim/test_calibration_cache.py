@@ -31,7 +31,7 @@ def test_keys_differ_by_each_field_and_name_this_machine() -> None:
 
 def test_the_engine_fingerprint_follows_the_step_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A changed kernel or runner names another cached profile: the old engine's costs are never reused."""
-    import tokenloop.sim.profiles as profiles
+    from tokenloop.sim import profiles
 
     package = tmp_path / "tokenloop"
     (package / "model" / "csrc").mkdir(parents=True)
