@@ -11,11 +11,15 @@ Usage: python scripts/rss_breakdown.py [--model NAME] [--dtype auto] [--kv-cache
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_forward import rss_mb  # VmRSS read the way the ready probe reads it
 
 
 def smaps_by_kind(file_path: Path) -> dict[str, dict[str, int]]:
@@ -40,14 +44,6 @@ def smaps_by_kind(file_path: Path) -> dict[str, dict[str, int]]:
             elif fields and fields[0] in ("Rss:", "Anonymous:"):
                 totals[kind][fields[0][:-1]] += int(fields[1])
     return totals
-
-
-def vm_rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def model_tensor_bytes(model) -> dict[str, int]:  # model: a LlamaModel
@@ -107,13 +103,13 @@ def main() -> None:
     from tokenloop.model.loader import resolve_model_path
 
     path = resolve_model_path(args.model)
-    imported = vm_rss_mib()  # the interpreter, torch and tokenloop, before any weight
+    imported = rss_mb()  # the interpreter, torch and tokenloop, before any weight
     start = time.perf_counter()
     config = EngineConfig(model=args.model, dtype=args.dtype,
                           cache=CacheConfig(kv_cache_memory_bytes=args.kv_cache_memory))
     core = EngineCore(config)
     ready = time.perf_counter() - start
-    rss = vm_rss_mib()
+    rss = rss_mb()
     file_mib = path.stat().st_size / 2**20
     kv_mib = sum(k.nbytes + v.nbytes for k, v in core.runner.kv_caches) / 2**20
     print(f"{path.name}: {file_mib:.1f} MiB; dtype {core.dtype_choice.describe()}")
