@@ -257,6 +257,20 @@ def test_smollm2_ids_match_transformers(smollm2: Tokenizer, hf_smollm2: Any, tex
 
 
 @needs_smollm2
+def test_long_texts_take_the_gil_free_path_with_the_same_ids(smollm2: Tokenizer) -> None:
+    # Past 4,096 characters `encode` and `encode_batch` run the offset-free batch encoder (GIL released);
+    # the ids must be what the plain encoder gives, special-token text and all.
+    rng = random.Random(7)
+    words = ["hello", "world", " ", "\n", "3.14159", "<|im_end|>", "naïve", "日本語", "🙂", "x=42;"]
+    for length in (4_000, 5_000, 40_000):
+        text = "".join(rng.choice(words) for _ in range(length // 4))[:length]
+        expected = smollm2.backend.encode(text, add_special_tokens=False).ids
+        assert smollm2.encode(text, add_special_tokens=False) == expected
+        assert smollm2.encode_batch([text, text[:100]], add_special_tokens=False)[0] == expected
+        assert smollm2.encode_batch([text])[0] == smollm2.encode(text)
+
+
+@needs_smollm2
 def test_smollm2_splits_digits(smollm2: Tokenizer) -> None:
     # SmolLM2 was trained with every digit its own pre-token (llama.cpp's 'smollm' pre-type does the same).
     for text in ["1234567890", "year 2024, pi 3.14159", "x=42;y=1000000", "v1.2.3-rc4"]:

@@ -13,7 +13,6 @@ is the same loop for any host of the core (a Ray actor too), told by a callable 
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -26,12 +25,11 @@ import zmq
 
 from tokenloop.core import wire
 from tokenloop.core.messages import CoreReady
+from tokenloop.heap import settle_startup_heap
 
 if TYPE_CHECKING:
     from tokenloop.config import EngineConfig
     from tokenloop.model.loader import Checkpoint
-
-_GC_THRESHOLDS = (20_000, 20, 100)  # CPython's defaults: (700, 10, 10)
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +98,10 @@ def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Soc
         outputs.send(wire.encode(CoreReady(os.getpid(), 0, 0, 0, 0, "", error)))
         return None
     kv = core.kv_cache
-    # What exists now (the model, the tokenizer, the pool) lives as long as the process: out of the
-    # collector's sight, a full collection no longer walks it in the middle of a step (vLLM does the same).
-    # Collections also come rarer: the loop makes little cyclic garbage, but each full collection walks
-    # every token list of every running request, a cost that grows with output length (at 256 requests
-    # of 2,048 tokens the default thresholds tripled the step's overhead; see BENCHMARKS.md).
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(*_GC_THRESHOLDS)
+    # The model, tokenizer and pool out of the collector's sight, and collections rarer: each full one
+    # walks every token list of every running request (at 256 requests of 2,048 tokens the default
+    # thresholds tripled the step's overhead; see BENCHMARKS.md).
+    settle_startup_heap()
     outputs.send(wire.encode(CoreReady(os.getpid(), core.max_model_len, core.vocab_size, kv.num_blocks,
                                        kv.block_size, core.dtype_choice.describe())))
     return CoreLoop(core, buffer)

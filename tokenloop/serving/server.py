@@ -4,6 +4,7 @@ Graceful shutdown on SIGINT/SIGTERM: uvicorn stops accepting connections and wai
 `shutdown_timeout_s` for in-flight responses, cancelling them after that (which aborts their requests);
 then the app's lifespan shuts the engine thread down. uvicorn re-raises the captured signal once it
 has finished; `serve_forever` installs no-op handlers first so that re-raise ends in a clean exit 0.
+Once started, the process's heap is frozen and its collections made rarer (`tokenloop.heap`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tokenloop.heap import settle_startup_heap
 from tokenloop.serving.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,13 @@ class _Server(uvicorn.Server):
             self.engine_died = True
             self.should_exit = True
         return await super().on_tick(counter)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            # Everything the app holds now lives as long as the server: out of the collector's sight, a
+            # full collection during a huge request body no longer stalls every stream and /health.
+            settle_startup_heap()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         async_engine = getattr(self._app.state, "async_engine", None)

@@ -185,7 +185,7 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`encode` for many texts at once (the Rust side runs them in parallel)."""
-        encodings = self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        encodings = self._backend.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)
         if not add_special_tokens:
             return [e.ids for e in encodings]
         return [self._add_special(e.ids) for e in encodings]
@@ -301,8 +301,10 @@ class Tokenizer:
 
 
 def _encode(backend: RustTokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """Token ids of `text`; long texts go through encode_batch, which releases the GIL while it works
-    (encode holds it: a 2 MB prompt would stall every other thread of the server for seconds)."""
+    """Token ids of `text`; long texts go through encode_batch_fast, which releases the GIL while it works
+    (encode holds it: a 2 MB prompt would stall every other thread of the server for seconds). The fast
+    variant computes no character offsets: half the time, and an Encoding whose release (under the GIL)
+    takes ~10 ms instead of ~100 ms for 500,000 tokens."""
     if len(text) > _GIL_FREE_FROM:
-        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
     return backend.encode(text, add_special_tokens=add_special_tokens).ids
