@@ -77,7 +77,11 @@ def test_calibrate_fits_a_profile_that_simulate_then_runs(tmp_path: Path, tiny_m
                  "--contexts", "8,40", "--decode-tokens", "4", "--out", str(out)]) == 0
     profile = json.loads(out.read_text())
     assert profile["source"].startswith("tokenloop simulate calibrate --model")
+    assert "--passes 3" in profile["source"]
     assert all(v >= 0 for v in profile["cost"]["coefficients"].values())
+    fit = profile["fit"]  # three passes of the sweep, the median one kept
+    assert fit["passes"] == 3 and len(fit["pass_levels"]) == 3 and fit["pass_levels"][fit["chosen_pass"]] == 1.0
+    assert sorted(fit["pass_levels"])[1] == 1.0
     trace = tiny_trace(tmp_path / "t.jsonl")
     assert main(["simulate", "--trace", str(trace), "--profile", str(out), "--policies", "fcfs",
                  "--disable-tqdm"]) == 0
@@ -123,3 +127,21 @@ def test_calibrate_without_the_mixed_sweep_and_bad_mixed_lists(tmp_path: Path, t
                  "--decode-tokens", "4", "--mixed-batches", "none", "--out", str(out)]) == 0
     assert "--mixed-batches none --mixed-prompts 8,24,96,320" in json.loads(out.read_text())["source"]
     assert main(["simulate", "calibrate", "--model", str(tiny_model_dir), "--mixed-prompts", "8,x"]) == 2
+
+
+def test_calibration_keeps_the_fit_of_the_median_level_pass() -> None:
+    from types import SimpleNamespace
+
+    from tokenloop.cli.simulate import median_level_pass
+    from tokenloop.sim.cost import FitReport, StepCostModel
+
+    def report(step_s: float) -> FitReport:
+        return FitReport(StepCostModel(step=step_s, tokens=1e-4), 10, 10, 0.01, step_s)
+
+    chunk = SimpleNamespace(start=5, num_tokens=1, samples=True)
+    steps = [SimpleNamespace(scheduled=[chunk] * rows) for rows in (1, 4, 8)]
+    # A pass measured while the machine ran fast (0.8x), one slow (1.3x), one between: the between one is kept.
+    chosen, levels = median_level_pass([report(0.008), report(0.013), report(0.010)], steps)
+    assert chosen == 2 and levels[2] == 1.0
+    assert levels[0] < 1.0 < levels[1]
+    assert median_level_pass([report(0.01)], steps) == (0, [1.0])
