@@ -48,7 +48,7 @@ class PackThresholds:
     """Most rows a call may have and still run the packed kernel when a bf16 copy exists.
 
     Measured on the 2-core AVX512-BF16 EPYC (BENCHMARKS.md): torch's int4 kernel beats bf16 up to ~16-24
-    rows; `q8_max_rows` applies to Q8_0 layers with a bf16 copy (the fp32 LM head keeps no copy).
+    rows, our int8-dot kernel up to ~32 (it ties bf16 there); `q8_max_rows` applies to Q8_0 layers with a bf16 copy (the fp32 LM head keeps no copy).
     `always_packed()` never uses the copy (tests, least memory). `int8_dot`: pack for our int8 dot-product
     kernels where they run natively (AVX512-VNNI); off, torch's int4 kernel and our fp32 Q8_0 kernel.
     """
