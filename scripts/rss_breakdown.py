@@ -48,7 +48,7 @@ def smaps_by_kind(file_path: Path) -> dict[str, dict[str, int]]:
 
 def model_tensor_bytes(model) -> dict[str, int]:  # model: a LlamaModel
     """Bytes of the model's weights by form (each storage counted once)."""
-    from tokenloop.model.quantized import Int4Weight, PackedLinear, Q8Weight
+    from tokenloop.model.quantized import Int4Weight, PackedLinear
 
     seen: set[int] = set()
     totals: dict[str, int] = defaultdict(int)
@@ -67,9 +67,9 @@ def model_tensor_bytes(model) -> dict[str, int]:  # model: a LlamaModel
             if isinstance(weight.packed, Int4Weight):
                 add("int4 packs", weight.packed.packed)
                 add("int4 packs", weight.packed.scales_zeros)
-            elif isinstance(weight.packed, Q8Weight):
-                add("Q8_0 codes + scales", weight.packed.codes)
-                add("Q8_0 codes + scales", weight.packed.scales)
+            else:  # Q8_0 and the int8-dot packs: codes + scales
+                add(f"{weight.form} codes + scales", weight.packed.codes)
+                add(f"{weight.form} codes + scales", weight.packed.scales)
             if weight.dense is not None:
                 add(f"dense copies ({str(weight.dense.dtype).removeprefix('torch.')})", weight.dense)
         elif isinstance(weight, torch.Tensor):

@@ -75,11 +75,13 @@ def _decode_kernel(name: str) -> ModuleType | None:
 @pytest.mark.parametrize("decode", ["torch", "cpp"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (9, 3)])
-def test_paged_attention_equals_dense(block_size: int, num_heads: int, num_kv_heads: int, decode: str) -> None:
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: the C++ kernel's register path (16: its generic loop)
+def test_paged_attention_equals_dense(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                                      decode: str) -> None:
     kernel = _decode_kernel(decode)
-    rng = random.Random(block_size * 100 + num_heads)
+    rng = random.Random(block_size * 100 + num_heads + head_dim)
     torch.manual_seed(rng.randrange(1 << 30))
-    head_dim, scale = 16, 16 ** -0.5
+    scale = head_dim ** -0.5
     lengths = [1, 5, 17, 33, 40]
     sequences = [(torch.randn(n, num_heads, head_dim), torch.randn(n, num_kv_heads, head_dim),
                   torch.randn(n, num_kv_heads, head_dim)) for n in lengths]

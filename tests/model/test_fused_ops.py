@@ -14,7 +14,7 @@ from tokenloop.model.attention import AttentionMetadata, write_kv
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.llama import LlamaModel, apply_rope
 from tokenloop.model.loader import load_checkpoint
-from tokenloop.model.quantized import QType
+from tokenloop.model.quantized import PackThresholds, QType
 
 kernels = paged_decode_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not hasattr(kernels, "add_rms_norm"),
@@ -169,17 +169,21 @@ def _decode_twice(model: LlamaModel, batch: int) -> list[tuple[torch.Tensor, tor
     return results
 
 
-@pytest.mark.parametrize("form", ["float32", "bfloat16", "q4_1"])
+@pytest.mark.parametrize("form", ["float32", "bfloat16", "q4_1", "q4_1 torch int4", "q8_0"])
 @pytest.mark.parametrize("batch", [1, 3, 17])
 def test_decode_layers_in_cpp_equal_the_python_layer_loop(tiny_checkpoint, tiny_model_dir, tmp_path, form: str,
                                                           batch: int) -> None:
     """A pure decode step through `decode_layers` (all layers in one C++ call) gives bit-identical logits and
-    KV cache to the Python loop over the same kernels: for dense fp32 and bf16 weights, and for int4 packs
-    (<= 16 rows) and their bf16 copies (17 rows)."""
-    if form == "q4_1":
-        kept = load_checkpoint(str(write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", QType.Q4_1)),
+    KV cache to the Python loop over the same kernels: for dense fp32 and bf16 weights, for packs (<= 16 rows:
+    our int8-dot Q4 and Q8_0 packs where they run natively, torch's int4 pack) and their bf16 copies (17 rows)."""
+    if form != "float32" and form != "bfloat16":
+        tensor_type = QType.Q8_0 if form == "q8_0" else QType.Q4_1
+        kept = load_checkpoint(str(write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", tensor_type)),
                                keep_quantized=True)
-        model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True)
+        thresholds = PackThresholds(int8_dot=form != "q4_1 torch int4")
+        model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True, thresholds=thresholds)
+        if form == "q8_0" and model.layers[0].qkv.form != "q8_0_vnni":
+            pytest.skip("the int8-dot kernels do not run natively here")
     else:
         model = LlamaModel.from_weights(tiny_checkpoint.config, tiny_checkpoint.weights,
                                         weight_dtype=getattr(torch, form))
@@ -190,10 +194,12 @@ def test_decode_layers_in_cpp_equal_the_python_layer_loop(tiny_checkpoint, tiny_
 
 
 def test_decode_layers_leave_forms_they_cannot_run_to_python(tiny_model_dir, tmp_path) -> None:
-    """Q8_0 layer packs have no path in the C++ loop: the plan is None and the step still decodes, in Python."""
+    """Q8_0 layer packs for the float32 kernel have no path in the C++ loop: the plan is None and the step still
+    decodes, in Python."""
     kept = load_checkpoint(str(write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", QType.Q8_0)),
                            keep_quantized=True)
-    model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True)
+    model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True,
+                                    thresholds=PackThresholds(int8_dot=False))
     assert model.fused_decode and model.decode_plan(2) is None
     (first, _), (second, _) = _decode_twice(model, 2)
     assert torch.equal(first, second) and torch.isfinite(first).all()

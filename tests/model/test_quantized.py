@@ -139,8 +139,9 @@ def test_q8_rejects_bad_shapes_and_dtypes() -> None:
 
 
 def test_packed_linear_picks_the_form_by_rows() -> None:
+    """torch's int4 kernel and our fp32 Q8_0 kernel (the int8-dot packs: tests/model/test_int8_dot.py)."""
     tensor, reference = _ggml(QType.Q4_1, 32, 64)
-    linear = pack_linear(tensor, PackThresholds(int4_max_rows=4))
+    linear = pack_linear(tensor, PackThresholds(int4_max_rows=4, int8_dot=False))
     assert isinstance(linear, PackedLinear) and linear.dense is not None
     assert [linear.form_for(r) for r in (1, 4, 5, 64)] == ["int4", "int4", "bfloat16", "bfloat16"]
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
@@ -149,15 +150,15 @@ def test_packed_linear_picks_the_form_by_rows() -> None:
         out = linear(x[:rows])
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, expected[:rows], rtol=3e-2, atol=3e-2 * expected.abs().max().item())
-    only = pack_linear(tensor, PackThresholds.always_packed())
+    only = pack_linear(tensor, PackThresholds(1 << 62, 1 << 62, keep_dense=False, int8_dot=False))
     assert isinstance(only, PackedLinear) and only.dense is None and only.form_for(10_000) == "int4"
     # The LM head (fp32 logits): the Q8_0 kernel at every row count, no float32 copy of the weights.
-    head = pack_linear(_ggml(QType.Q8_0, 32, 64)[0], PackThresholds(q8_max_rows=2), dense_dtype=torch.float32)
+    head = pack_linear(_ggml(QType.Q8_0, 32, 64)[0], PackThresholds(q8_max_rows=2, int8_dot=False), dense_dtype=torch.float32)
     assert isinstance(head, PackedLinear) and head.dense is None
     assert [head.form_for(r) for r in (2, 3, 512)] == ["q8_0"] * 3 and head.input_dtype_for(512) == torch.float32
     assert head(x).dtype == torch.float32
     # A Q8_0 layer (bf16 output is fine there) still keeps its bf16 copy for large batches.
-    layer = pack_linear(_ggml(QType.Q8_0, 32, 64)[0], PackThresholds(q8_max_rows=2))
+    layer = pack_linear(_ggml(QType.Q8_0, 32, 64)[0], PackThresholds(q8_max_rows=2, int8_dot=False))
     assert isinstance(layer, PackedLinear) and [layer.form_for(r) for r in (2, 3)] == ["q8_0", "bfloat16"]
 
 
@@ -235,7 +236,7 @@ def test_q4_k_unpacks_to_ggml_values_and_packs_its_codes_bit_exact(rows: int) ->
     codes, d, m = tensor.q4_codes()
     assert torch.equal(torch.from_numpy(codes.reshape(rows, -1, 32) * d[..., None] + m[..., None]).view(rows, 512),
                        torch.from_numpy(reference))
-    packed = pack_linear(tensor, PackThresholds.always_packed())
+    packed = pack_linear(tensor, PackThresholds(1 << 62, 1 << 62, keep_dense=False, int8_dot=False))
     assert isinstance(packed, PackedLinear) and packed.form == "int4"
     got_codes, scale, zero = packed.packed.unpack()
     assert torch.equal(got_codes, torch.from_numpy(codes).to(torch.int32))

@@ -8,6 +8,7 @@ import torch
 from tests.conftest import requires_default_model
 from tests.model.paged_harness import PagedHarness, Sequence
 from tokenloop.model.attention import AttentionMetadata
+from tokenloop.model.int8_dot import int8_dot_available
 from tokenloop.model.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
 from tokenloop.model.quantized import PackedLinear, PackThresholds
@@ -24,6 +25,7 @@ PROMPTS = [
     "The quick brown fox", "Q: Who wrote Hamlet?\nA:", "Three tips for better sleep:",
 ]
 NEW_TOKENS = 64
+INT4_FORMS = ("int4", "int4_vnni")  # torch's kernel; our int8-dot kernel where it runs natively
 
 
 def _greedy_batched(model: LlamaModel, prompts: list[list[int]]) -> list[list[int]]:
@@ -55,16 +57,17 @@ def _teacher_forced_top1(model: LlamaModel, prompt: list[int], continuation: lis
 
 def test_packed_model_top1_agrees_with_fp32(smollm2_checkpoint) -> None:
     """20 prompts x 64 greedy fp32 tokens, teacher-forced: >= 98% top-1 agreement, for the int4 / Q8_0 kernels
-    (forced for every row count) and for the per-batch-size choice (large prefills run the bf16 copy)."""
+    (forced for every row count) and for the per-batch-size choice (large prefills run the bf16 copy), with our
+    int8-dot kernels where they run natively and with torch's int4 and our fp32 Q8_0 kernel."""
     kept = load_checkpoint("smollm2-135m-instruct", keep_quantized=True)
     tokenizer = smollm2_checkpoint.tokenizer
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     reference = LlamaModel.from_weights(smollm2_checkpoint.config, smollm2_checkpoint.weights)
     continuations = _greedy_batched(reference, prompts)
     total = len(prompts) * NEW_TOKENS
-    for thresholds in (PackThresholds.always_packed(), PackThresholds()):
+    for thresholds in (PackThresholds.always_packed(), PackThresholds(), PackThresholds(int8_dot=False)):
         model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True, thresholds=thresholds)
-        assert isinstance(model.layers[0].gate_up, PackedLinear) and model.layers[0].gate_up.form == "int4"
+        assert isinstance(model.layers[0].gate_up, PackedLinear) and model.layers[0].gate_up.form in INT4_FORMS
         agree = sum(a == b for prompt, cont in zip(prompts, continuations)
                     for a, b in zip(_teacher_forced_top1(model, prompt, cont), cont))
         assert agree / total >= 0.98, f"{thresholds}: top-1 agreement {agree}/{total}"
@@ -80,10 +83,11 @@ def test_default_engine_serves_the_packed_weights(monkeypatch: pytest.MonkeyPatc
     llm = LLM(max_num_batched_tokens=256)
     assert llm.engine.dtype_choice.weights == "quantized"
     model = llm.engine.model
-    assert model.layers[0].gate_up.form == "int4" and model.lm_head.weight.form == "q8_0"
+    layer_form, head_form = ("int4_vnni", "q8_0_vnni") if int8_dot_available() else ("int4", "q8_0")
+    assert model.layers[0].gate_up.form == layer_form and model.lm_head.weight.form == head_form
     params = SamplingParams(temperature=0.0, max_tokens=8)
     out = llm.generate("The capital of France is", params, use_tqdm=False)[0]
-    assert "Paris" in out.outputs[0].text and llm.engine.runner.last_weight_form == "int4"
+    assert "Paris" in out.outputs[0].text and llm.engine.runner.last_weight_form == layer_form
     forms = []
     original = llm.engine.runner.execute
 
@@ -94,4 +98,4 @@ def test_default_engine_serves_the_packed_weights(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(llm.engine.runner, "execute", recording)
     llm.generate("Tell me a story. " * 20, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
-    assert forms[0] == "bfloat16" and forms[-1] == "int4"  # the 100-token prefill, then a decode step
+    assert forms[0] == "bfloat16" and forms[-1] == layer_form  # the 100-token prefill, then a decode step

@@ -28,8 +28,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_decode_attention.cpp", "q8_0_matmul.cpp", "fused_layer_ops.cpp",
-                          "decode_layers.cpp")]
+            for name in ("paged_decode_attention.cpp", "q8_0_matmul.cpp", "int8_dot_matmul.cpp",
+                          "fused_layer_ops.cpp", "decode_layers.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / "cpu_kernels.h"]  # hashed with the sources: a change rebuilds
 _NAME = "tokenloop_paged_decode_attention"
 # -march=native is safe: the build runs on the machine that will run it (the hash names the CPU model).

@@ -19,6 +19,7 @@ from tokenloop.config import ModelConfig, RopeScaling
 from tokenloop.errors import ModelLoadError
 from tokenloop.model.attention import AttentionMetadata, paged_attention, triton_attention_kernels
 from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.int8_dot import Int4DotWeight, Q8DotWeight
 from tokenloop.model.quantized import (GGMLTensor, Int4Weight, PackedLinear, PackThresholds, Q8Weight, QType,
                                        QuantizedEmbedding, dense_linear, dense_weight, pack_linear, prepack_dense)
 
@@ -105,29 +106,39 @@ class LMHead:
 @dataclass(frozen=True)
 class DecodePlan:
     """The flat argument lists the C++ `decode_layers` takes, for the weight forms of one row count: per layer
-    the two norm weights, and per projection its matrix (int4 pack or dense) and the int4 scales and zeros
-    (an empty tensor for a dense matrix)."""
+    the two norm weights, and per projection its matrix (a pack's codes, or a dense matrix) and the pack's
+    scales (torch's int4: bf16 scales and zeros; int8-dot: fp16; an empty tensor for a dense matrix)."""
 
     norms: list[torch.Tensor]
     matrices: list[torch.Tensor]
-    scales_zeros: list[torch.Tensor]
+    scales: list[torch.Tensor]
 
 
-_NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales_zeros
+_NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales
 
 
 def decode_projection(weight: Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(matrix, scales_zeros) of the form `weight` runs for `rows` rows, when `decode_layers` can run it the way
-    `project` does; None otherwise (a Q8_0 pack, a padded int4 pack, an fp16 matrix). Dense matrices may be
-    oneDNN-prepacked (`prepack_dense`)."""
+    """(matrix, scales) of the form `weight` runs for `rows` rows, when `decode_layers` can run it the way
+    `project` does; None otherwise (an fp32-kernel Q8_0 pack, a padded pack, an fp16 matrix). Dense matrices may
+    be oneDNN-prepacked (`prepack_dense`)."""
     if isinstance(weight, PackedLinear):
         if weight.dense is None or rows <= weight.packed_max_rows:
-            pack = weight.packed
-            unpadded = (isinstance(pack, Int4Weight) and pack.packed.shape[0] == pack.out_features
-                        and pack.packed.shape[1] * 2 == pack.in_features)
-            return (pack.packed, pack.scales_zeros) if unpadded else None  # type: ignore[union-attr]
+            return _unpadded_pack(weight.packed)
         weight = weight.dense
     return (weight, _NO_SCALES) if weight.dtype in (torch.float32, torch.bfloat16) else None
+
+
+def _unpadded_pack(pack: Int4Weight | Q8Weight | Int4DotWeight | Q8DotWeight) -> tuple[torch.Tensor,
+                                                                                    torch.Tensor] | None:
+    """A pack's (codes, scales) for `decode_layers`, which sizes outputs from the codes: unpadded packs only."""
+    if isinstance(pack, Int4Weight):
+        exact = pack.packed.shape[0] == pack.out_features and pack.packed.shape[1] * 2 == pack.in_features
+        return (pack.packed, pack.scales_zeros) if exact else None
+    if isinstance(pack, (Int4DotWeight, Q8DotWeight)):
+        tiles, blocks, _ = pack.codes.shape
+        exact = tiles * 16 == pack.out_features and blocks * 32 == pack.in_features
+        return (pack.codes, pack.scales) if exact else None
+    return None
 
 
 @dataclass
@@ -194,7 +205,7 @@ class LlamaModel:
         """The `decode_layers` arguments for a pure decode step of `rows` sequences, or None where some
         projection's form for that many rows is one the C++ loop does not run."""
         if rows not in self._decode_plans:
-            norms, matrices, scales_zeros = [], [], []
+            norms, matrices, scales = [], [], []
             for layer in self.layers:
                 norms += [layer.input_norm, layer.post_attention_norm]
                 for weight in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
@@ -203,8 +214,8 @@ class LlamaModel:
                         self._decode_plans[rows] = None
                         return None
                     matrices.append(form[0])
-                    scales_zeros.append(form[1])
-            self._decode_plans[rows] = DecodePlan(norms, matrices, scales_zeros)
+                    scales.append(form[1])
+            self._decode_plans[rows] = DecodePlan(norms, matrices, scales)
         return self._decode_plans[rows]
 
     @classmethod
@@ -274,7 +285,7 @@ class LlamaModel:
         embed_raw = raw("model.embed_tokens.weight")
         embed: torch.Tensor | QuantizedEmbedding
         fp32 = dtype == torch.float32  # the quantized lookup yields fp32 rows
-        if fp32 and tied and isinstance(lm_head, PackedLinear) and isinstance(lm_head.packed, Q8Weight):
+        if fp32 and tied and isinstance(lm_head, PackedLinear) and isinstance(lm_head.packed, (Q8Weight, Q8DotWeight)):
             embed = QuantizedEmbedding(lm_head.packed)
         elif fp32 and quantized and isinstance(embed_raw, GGMLTensor) and embed_raw.tensor_type == QType.Q8_0:
             embed = QuantizedEmbedding(Q8Weight.from_q8(embed_raw))  # rows dequantized at lookup: exact
@@ -366,7 +377,7 @@ class LlamaModel:
         if plan is not None:  # a pure decode step: the same sequence of kernels, with no Python between layers
             assert decode is not None
             final = torch.empty(num_tokens, cfg.hidden_size)
-            ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales_zeros,
+            ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales,
                               [cache for pair in kv_caches for cache in pair], positions, self.rope_cos,
                               self.rope_sin, attn.slot_mapping, decode.block_table, decode.seq_lens, cfg.num_heads,
                               cfg.num_kv_heads, cfg.head_dim, self.scale, cfg.rms_norm_eps, self.final_norm, final)

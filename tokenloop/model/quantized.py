@@ -15,6 +15,10 @@ Q/K permutation undone, Q/K/V and gate/up fused) work on the raw rows, so no flo
   embedding / LM head: one copy of the codes (the default model's: 28.3 MB of codes + 3.5 MB of scales).
 - anything else -> a dense bf16 matrix, dequantized one tensor at a time.
 
+Where the compiled kernels run AVX512-VNNI, Q4 and Q8_0 matrices are packed instead for our int8 dot-product
+kernels (`model/int8_dot.py`: the file's codes and fp16 scales, activations quantized per block of 32 at each
+call; fp32 in and out): fewer instructions per weight than either float kernel (BENCHMARKS.md).
+
 Small batches are bandwidth-bound and want the fewest bytes; large ones are compute-bound and run faster
 on dense bf16 (measured: BENCHMARKS.md), so a `PackedLinear` may also hold a bf16 copy and picks per call.
 A Q8_0 matrix never gets a float32 copy: where the output must stay fp32 (the logits), the Q8_0 kernel
@@ -24,6 +28,7 @@ serves every batch size itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -31,6 +36,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.int8_dot import Int4DotWeight, Q8DotWeight, check_q8_codes, int8_dot_available
 
 GROUP_SIZE = 32  # ggml's Q4/Q8 block length, and the int4 kernel's group size
 SUPER_BLOCK = 256  # the K-quants' super-block length
@@ -42,13 +48,15 @@ class PackThresholds:
     """Most rows a call may have and still run the packed kernel when a bf16 copy exists.
 
     Measured on the 2-core AVX512-BF16 EPYC (BENCHMARKS.md): torch's int4 kernel beats bf16 up to ~16-24
-    rows; `q8_max_rows` applies to Q8_0 layers with a bf16 copy (the fp32 LM head keeps no copy).
-    `always_packed()` never uses the copy (tests, least memory).
+    rows, our int8-dot kernel up to ~32 (it ties bf16 there); `q8_max_rows` applies to Q8_0 layers with a bf16 copy (the fp32 LM head keeps no copy).
+    `always_packed()` never uses the copy (tests, least memory). `int8_dot`: pack for our int8 dot-product
+    kernels where they run natively (AVX512-VNNI); off, torch's int4 kernel and our fp32 Q8_0 kernel.
     """
 
     int4_max_rows: int = 16
     q8_max_rows: int = 8
     keep_dense: bool = True
+    int8_dot: bool = True
 
     @classmethod
     def always_packed(cls) -> PackThresholds:
@@ -171,6 +179,7 @@ class Int4Weight:
     scales_zeros: torch.Tensor
     out_features: int
     in_features: int
+    form: ClassVar[str] = "int4"
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Weight:
@@ -252,6 +261,7 @@ class Q8Weight:
     codes: torch.Tensor
     scales: torch.Tensor
     out_features: int
+    form: ClassVar[str] = "q8_0"
 
     @classmethod
     def from_q8(cls, tensor: GGMLTensor) -> Q8Weight:
@@ -261,11 +271,7 @@ class Q8Weight:
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor) -> Q8Weight:
         """codes [N, K] int8, scales [N, K / 32] float32 (w = code * scale) -> the tiled layout."""
-        n, k = codes.shape
-        if codes.dtype != torch.int8 or k % GROUP_SIZE or tuple(scales.shape) != (n, k // GROUP_SIZE):
-            raise ValueError(f"Q8_0 weight: int8 codes [N, K] with K a multiple of {GROUP_SIZE} and scales "
-                             f"[N, K / {GROUP_SIZE}] expected, got {codes.dtype} {tuple(codes.shape)} and "
-                             f"{tuple(scales.shape)}")
+        n, k = check_q8_codes(codes, scales)
         pad = -n % _TILE
         codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
         scales = torch.nn.functional.pad(scales.float(), (0, 0, 0, pad))
@@ -319,13 +325,13 @@ class PackedLinear:
     has none (its kernel serves every batch size).
     """
 
-    packed: Int4Weight | Q8Weight
+    packed: Int4Weight | Q8Weight | Int4DotWeight | Q8DotWeight
     dense: torch.Tensor | None
     packed_max_rows: int
 
     @property
     def form(self) -> str:
-        return "int4" if isinstance(self.packed, Int4Weight) else "q8_0"
+        return self.packed.form
 
     def form_for(self, rows: int) -> str:
         """Which form a call with `rows` rows runs."""
@@ -336,7 +342,7 @@ class PackedLinear:
     def input_dtype_for(self, rows: int) -> torch.dtype:
         """The activations' dtype the kernel for `rows` rows consumes (others are cast to it first)."""
         if self.dense is None or rows <= self.packed_max_rows:
-            return torch.bfloat16 if isinstance(self.packed, Int4Weight) else torch.float32
+            return torch.bfloat16 if isinstance(self.packed, Int4Weight) else torch.float32  # torch's kernel: bf16
         return self.dense.dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -344,8 +350,9 @@ class PackedLinear:
         return self.native(x).to(x.dtype)
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] (any float dtype) -> x @ W.T in the kernel's own output dtype (bf16 for int4 and bf16
-        weights, fp32 for Q8_0 and fp32 weights), for consumers that read either without a cast."""
+        """x [M, K] (any float dtype) -> x @ W.T in the kernel's own output dtype (bf16 for torch's int4 and bf16
+        weights, fp32 for Q8_0, the int8-dot packs and fp32 weights), for consumers that read either without a
+        cast."""
         if self.dense is None or x.shape[0] <= self.packed_max_rows:
             return self.packed.matmul(x)
         return dense_linear(x, self.dense)
@@ -355,18 +362,20 @@ def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = 
                 dense_dtype: torch.dtype = torch.bfloat16) -> PackedLinear | torch.Tensor:
     """The fastest kept form of one projection: packed int4 / Q8_0 (+ a dense copy in `dense_dtype` for
     large batches), or the dense matrix alone where no packed kernel fits the encoding."""
+    dot = thresholds.int8_dot and int8_dot_available()
     if isinstance(weight, GGMLTensor) and weight.tensor_type in INT4_TYPES:
-        packed: Int4Weight | Q8Weight = Int4Weight.from_q4(weight)
+        packed: Int4Weight | Q8Weight | Int4DotWeight | Q8DotWeight = (
+            Int4DotWeight.from_q4(weight) if dot else Int4Weight.from_q4(weight))
         max_rows = thresholds.int4_max_rows
     elif isinstance(weight, GGMLTensor) and weight.tensor_type == QType.Q8_0:
-        packed = Q8Weight.from_q8(weight)
+        packed = Q8DotWeight.from_q8(weight) if dot else Q8Weight.from_q8(weight)
         max_rows = thresholds.q8_max_rows
     else:
         return dense_weight(weight, dense_dtype)
     dense = None
     # No float32 copy of a Q8_0 matrix: the tiled kernel computes the same fp32 product at every row count
     # as fast as oneDNN's fp32 GEMM (BENCHMARKS.md), and the copy was 4x the codes (113 MB for the head).
-    if thresholds.keep_dense and not (isinstance(packed, Q8Weight) and dense_dtype == torch.float32):
+    if thresholds.keep_dense and not (isinstance(packed, (Q8Weight, Q8DotWeight)) and dense_dtype == torch.float32):
         dense = prepack_dense(dense_weight(weight, dense_dtype))
     return PackedLinear(packed, dense, max_rows)
 
@@ -405,7 +414,7 @@ def dense_weight(weight: GGMLTensor | torch.Tensor, dtype: torch.dtype) -> torch
 class QuantizedEmbedding:
     """Token embedding rows looked up from Q8_0 codes (exact: an int8 code times an fp16 scale fits fp32)."""
 
-    def __init__(self, weight: Q8Weight) -> None:
+    def __init__(self, weight: Q8Weight | Q8DotWeight) -> None:
         self.weight = weight  # shared with a tied LM head: one copy of the codes serves both
         self.shape = (weight.out_features, weight.in_features)
 

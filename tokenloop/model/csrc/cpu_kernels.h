@@ -12,6 +12,12 @@ void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key
 // q8_0_matmul.cpp
 void q8_0_tiled_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                        torch::Tensor& out);
+// int8_dot_matmul.cpp
+void int4_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                     torch::Tensor& out);
+void q8_0_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                     torch::Tensor& out);
+bool int8_dot_native();
 // fused_layer_ops.cpp
 void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
                   torch::Tensor& out);
@@ -21,7 +27,7 @@ void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, con
                    torch::Tensor& value_cache, torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out);
 // decode_layers.cpp
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
-                   const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales_zeros,
+                   const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,
                    std::vector<torch::Tensor>& kv_caches, const torch::Tensor& positions, const torch::Tensor& cos,
                    const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_table,
                    const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

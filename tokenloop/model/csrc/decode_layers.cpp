@@ -15,6 +15,7 @@ namespace {
 
 constexpr int64_t kProjectionsPerLayer = 4;  // qkv, o_proj, gate_up, down
 constexpr int64_t kInt4GroupSize = 32;
+constexpr int64_t kTileColumns = 16;  // the int8-dot packs' output columns per tile
 
 // x @ W.T for W prepacked in oneDNN's blocked layout (quantized.prepack_dense): the registered op
 // `mkldnn::_linear_pointwise`, called boxed so that no C++ signature of it is compiled in here.
@@ -27,17 +28,37 @@ torch::Tensor prepacked_linear(const torch::Tensor& x, const torch::Tensor& weig
   return stack[0].toTensor();
 }
 
-// One projection as the caller chose it for this step's row count: torch's int4 pack with its scales and
-// zeros, or a dense matrix (bf16 or float32; plain or oneDNN-prepacked).
+// One projection as the caller chose it for this step's row count: torch's int4 pack with its bf16 scales and
+// zeros, our int8-dot packs (4-bit or Q8_0 codes with fp16 scales, float32 in and out), or a dense matrix
+// (bf16 or float32; plain or oneDNN-prepacked).
 struct Projection {
+  enum class Kind { kDense, kTorchInt4, kInt4Dot, kQ8Dot };
   const torch::Tensor& matrix;
-  const torch::Tensor& scales_zeros;  // empty for a dense matrix
-  bool int4() const { return scales_zeros.numel() > 0; }
-  c10::ScalarType input_dtype() const { return int4() ? torch::kBFloat16 : matrix.scalar_type(); }
+  const torch::Tensor& scales;  // empty for a dense matrix
+  Kind kind() const {
+    if (scales.numel() == 0) return Kind::kDense;
+    if (scales.scalar_type() == torch::kBFloat16) return Kind::kTorchInt4;
+    return scales.dim() == 4 ? Kind::kInt4Dot : Kind::kQ8Dot;
+  }
+  c10::ScalarType input_dtype() const {
+    switch (kind()) {
+      case Kind::kDense: return matrix.scalar_type();
+      case Kind::kTorchInt4: return torch::kBFloat16;
+      default: return torch::kFloat32;
+    }
+  }
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (int4()) return at::_weight_int4pack_mm_for_cpu(x, matrix, kInt4GroupSize, scales_zeros);
-    if (matrix.is_mkldnn()) return prepacked_linear(x, matrix);
-    return at::linear(x, matrix);
+    switch (kind()) {
+      case Kind::kTorchInt4: return at::_weight_int4pack_mm_for_cpu(x, matrix, kInt4GroupSize, scales);
+      case Kind::kInt4Dot:
+      case Kind::kQ8Dot: {  // unpadded packs only (llama.decode_projection): N is the tiles' 16 columns each
+        torch::Tensor out = torch::empty({x.size(0), matrix.size(0) * kTileColumns}, x.options());
+        if (kind() == Kind::kInt4Dot) int4_dot_matmul(x, matrix, scales, out);
+        else q8_0_dot_matmul(x, matrix, scales, out);
+        return out;
+      }
+      default: return matrix.is_mkldnn() ? prepacked_linear(x, matrix) : at::linear(x, matrix);
+    }
   }
 };
 
@@ -45,11 +66,11 @@ struct Projection {
 
 // hidden [T, H] float32: the residual stream after the embedding, updated in place; final_out [T, H] float32
 // receives RMSNorm(hidden + last MLP output) * final_norm. norms: per layer input and post-attention norm
-// weights (2L, float32 [H]). matrices / scales_zeros: per layer qkv, o_proj, gate_up, down (4L); an empty
-// scales_zeros entry marks a dense matrix. kv_caches: per layer K then V (2L). positions, slots [T]
+// weights (2L, float32 [H]). matrices / scales: per layer qkv, o_proj, gate_up, down (4L): a pack's codes and
+// scales (torch's int4: bf16 scales and zeros; int8-dot: fp16), or a dense matrix and an empty tensor. kv_caches: per layer K then V (2L). positions, slots [T]
 // int64; cos, sin [P, D/2]; block_table [T, max_blocks], seq_lens [T] int64 (the decode group's).
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
-                   const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales_zeros,
+                   const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,
                    std::vector<torch::Tensor>& kv_caches, const torch::Tensor& positions, const torch::Tensor& cos,
                    const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_table,
                    const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -57,7 +78,7 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
   const int64_t layers = static_cast<int64_t>(norms.size()) / 2;
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
                   static_cast<int64_t>(matrices.size()) == kProjectionsPerLayer * layers &&
-                  scales_zeros.size() == matrices.size() && static_cast<int64_t>(kv_caches.size()) == 2 * layers,
+                  scales.size() == matrices.size() && static_cast<int64_t>(kv_caches.size()) == 2 * layers,
               "decode_layers: expected 2 norms, 4 projections and a K/V pair per layer");
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32,
               "decode_layers: hidden must be float32 [T, H]");
@@ -72,8 +93,8 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
   torch::Tensor delta = torch::empty({0}, f32);  // the previous layer's MLP output, added inside the next norm
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int64_t w = layer * kProjectionsPerLayer;
-    const Projection qkv{matrices[w], scales_zeros[w]}, o_proj{matrices[w + 1], scales_zeros[w + 1]};
-    const Projection gate_up{matrices[w + 2], scales_zeros[w + 2]}, down{matrices[w + 3], scales_zeros[w + 3]};
+    const Projection qkv{matrices[w], scales[w]}, o_proj{matrices[w + 1], scales[w + 1]};
+    const Projection gate_up{matrices[w + 2], scales[w + 2]}, down{matrices[w + 3], scales[w + 3]};
     torch::Tensor& key_cache = kv_caches[2 * layer];
     torch::Tensor& value_cache = kv_caches[2 * layer + 1];
 

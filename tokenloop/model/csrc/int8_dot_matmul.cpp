@@ -1,0 +1,425 @@
+// x @ W.T with int8 dot products (AVX512-VNNI `vpdpbusd`) for ggml's 4-bit and Q8_0 weights.
+//
+// The float kernels spend more instructions turning codes into floats than multiplying: torch's int4 kernel
+// converts every nibble to a float and scales it before its FMA, and our fp32 Q8_0 kernel converts and scales
+// every code. Here the activations are quantized instead, once per call: each row in blocks of 32 values, to
+// two int8 codes per value and one float scale per block (x ~= dx q + dx/254 r, dx = max |x| / 127; see
+// Activations). Then one `vpdpbusd` multiplies 64 code pairs and sums them in exact int32, and a block's
+// float work is a few operations per 16 columns (xq standing for either code set, with its scale):
+//   Q4 (w = d q + m, q in 0..15):   sum_k x_k w_k ~= d dx sum_k xq_k q_k + m sum_k x_k
+//   Q8_0 (w = d q, q in -128..127): sum_k x_k w_k ~= d dx (sum_k xq_k (q_k + 128) - 128 sum_k xq_k)
+// (`vpdpbusd` takes one operand unsigned: the 4-bit codes are, the Q8_0 codes are stored + 128). d and m
+// are the file's fp16 values. The only rounding beyond float32 sums is the activations' codes.
+//
+// Layout (packed once at load, `model/int8_dot.py`): N output columns in tiles of 16 (one zmm of int32
+// lanes), K in blocks of 32. Per tile and block, Q4: 256 bytes, 4 chunks of [16 lanes][4 k] bytes whose
+// low nibbles hold k = 4c..4c+3 and high nibbles k = 16+4c..16+4c+3; scales [2][16] fp16 (d, then m).
+// Q8_0: 512 bytes, 8 chunks of [16 lanes][4 k]; scales [16] fp16. A register block is up to 4 rows x up to
+// 4 tiles; each row's 4 codes of a chunk are broadcast from memory.
+#include "cpu_kernels.h"
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TOKENLOOP_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;                       // ggml's block, and the activations' quantization block
+constexpr int64_t kLanes = 16;                       // output columns per tile
+constexpr int64_t kQ4Bytes = kGroup * kLanes / 2;    // codes per tile and block
+constexpr int64_t kQ8Bytes = kGroup * kLanes;
+constexpr int kMaxRows = 4, kMaxTiles = 4;
+
+// The activations of one call, per block of 32 values (a ragged last block padded with zeros), as two int8
+// codes each: x ~= dx q + (dx / 254) r, with q = round(x / dx) and r the rounded remainder. One code alone
+// (8 bits per block) cost 6% of greedy top-1 agreement on the default model (the normed residual stream has
+// outlier channels); the pair is ~15 bits per block, about bf16's precision per value.
+constexpr int kPasses = 2;
+constexpr float kRemainderSteps = 254.f;  // a remainder of up to dx / 2 in steps of dx / 254: -127..127
+
+struct Activations {
+  int64_t rows = 0, groups = 0;
+  std::vector<int8_t> codes;      // [rows][groups][2][32]: q, then r
+  std::vector<float> scales;      // [rows][groups][2]: dx, dx / 254
+  std::vector<float> sums;        // [rows][groups]: the block's float sum of x (Q4's m term)
+  std::vector<int32_t> offsets;   // [rows][groups][2]: -128 * each code row's sum (Q8_0's correction)
+};
+
+struct Block {  // one block's slots in Activations
+  int8_t* codes;
+  float* scales;
+  float& sum;
+  int32_t* offsets;
+};
+
+void quantize_block(const float* x, int64_t valid, Block out) {
+  float values[kGroup] = {};
+  std::memcpy(values, x, sizeof(float) * valid);
+  float amax = 0.f, total = 0.f;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    amax = std::max(amax, std::fabs(values[i]));
+    total += values[i];
+  }
+  const float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+  const float remainder_inverse = inverse * kRemainderSteps;
+  int32_t sums[kPasses] = {};
+  for (int64_t i = 0; i < kGroup; ++i) {
+    const float q = std::min(127.f, std::max(-127.f, std::nearbyint(values[i] * inverse)));
+    const float r = std::min(127.f, std::max(-127.f, std::nearbyint((values[i] - q * scale) * remainder_inverse)));
+    out.codes[i] = static_cast<int8_t>(q);
+    out.codes[kGroup + i] = static_cast<int8_t>(r);
+    sums[0] += out.codes[i];
+    sums[1] += out.codes[kGroup + i];
+  }
+  out.scales[0] = scale;
+  out.scales[1] = scale / kRemainderSteps;
+  out.sum = total;
+  out.offsets[0] = -128 * sums[0];
+  out.offsets[1] = -128 * sums[1];
+}
+
+#ifdef TOKENLOOP_VNNI
+// A full block in registers (the same codes as quantize_block; the float sum in another order).
+void quantize_full_block(const float* x, Block out) {
+  const __m512 half[2] = {_mm512_loadu_ps(x), _mm512_loadu_ps(x + 16)};
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(half[0]), _mm512_abs_ps(half[1])));
+  const float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+  const __m512 scale_v = _mm512_set1_ps(scale), inverse_v = _mm512_set1_ps(inverse);
+  const __m512 remainder_inverse = _mm512_set1_ps(inverse * kRemainderSteps);
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+  __m512i sums[kPasses] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+  for (int h = 0; h < 2; ++h) {
+    // cvtps_epi32 rounds to nearest even, as nearbyint does
+    const __m512i q = _mm512_min_epi32(high, _mm512_max_epi32(low, _mm512_cvtps_epi32(_mm512_mul_ps(half[h], inverse_v))));
+    const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(q), scale_v, half[h]);
+    const __m512i r = _mm512_min_epi32(high, _mm512_max_epi32(low, _mm512_cvtps_epi32(_mm512_mul_ps(rest, remainder_inverse))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.codes + 16 * h), _mm512_cvtsepi32_epi8(q));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.codes + kGroup + 16 * h), _mm512_cvtsepi32_epi8(r));
+    sums[0] = _mm512_add_epi32(sums[0], q);
+    sums[1] = _mm512_add_epi32(sums[1], r);
+  }
+  out.scales[0] = scale;
+  out.scales[1] = scale / kRemainderSteps;
+  out.sum = _mm512_reduce_add_ps(_mm512_add_ps(half[0], half[1]));
+  out.offsets[0] = -128 * _mm512_reduce_add_epi32(sums[0]);
+  out.offsets[1] = -128 * _mm512_reduce_add_epi32(sums[1]);
+}
+#endif
+
+Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_t groups) {
+  Activations a;
+  a.rows = rows;
+  a.groups = groups;
+  a.codes.resize(rows * groups * kPasses * kGroup);
+  a.scales.resize(rows * groups * kPasses);
+  a.sums.resize(rows * groups);
+  a.offsets.resize(rows * groups * kPasses);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t begin = g * kGroup, valid = std::max<int64_t>(0, std::min(kGroup, k - begin));
+      const int64_t at = r * groups + g;
+      const Block block{a.codes.data() + at * kPasses * kGroup, a.scales.data() + at * kPasses, a.sums[at],
+                        a.offsets.data() + at * kPasses};
+#ifdef TOKENLOOP_VNNI
+      if (valid == kGroup) {
+        quantize_full_block(x + r * k + begin, block);
+        continue;
+      }
+#endif
+      quantize_block(x + r * k + begin, valid, block);
+    }
+  }
+  return a;
+}
+
+struct Weights {
+  const uint8_t* codes;    // [tiles][groups][kQ4Bytes or kQ8Bytes]
+  const uint16_t* scales;  // fp16 bits, [tiles][groups][2][16] (Q4) or [tiles][groups][16] (Q8_0)
+  int64_t tiles, n;
+};
+
+#ifdef TOKENLOOP_VNNI
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm512_set1_epi32(word);
+}
+
+inline __m512 half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Writes a register block's sums: the last tile's columns past n are padding.
+template <int R, int T>
+inline void store_block(const __m512 (&acc)[R][T], int64_t n, int64_t row0, int64_t tile0, float* out, int64_t ldo) {
+  const int64_t valid = std::min<int64_t>(kLanes, n - (tile0 + T - 1) * kLanes);
+  const __mmask16 last = valid >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t)
+      _mm512_mask_storeu_ps(out + (row0 + r) * ldo + (tile0 + t) * kLanes, t == T - 1 ? last : 0xFFFF, acc[r][t]);
+}
+
+// out[R rows from row0][T tiles from tile0] for 4-bit codes.
+template <int R, int T>
+void q4_block(const Activations& a, const Weights& w, int64_t row0, int64_t tile0, float* out, int64_t ldo) {
+  const int64_t groups = a.groups;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][T];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[kPasses][R][T];
+#pragma GCC unroll 2
+    for (int p = 0; p < kPasses; ++p)
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) dot[p][r][t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      __m512i low[T], high[T];
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) {
+        const __m512i packed = _mm512_loadu_si512(w.codes + ((tile0 + t) * groups + g) * kQ4Bytes + c * 64);
+        low[t] = _mm512_and_si512(packed, nibble);
+        high[t] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+        for (int p = 0; p < kPasses; ++p) {
+          const int8_t* xq = a.codes.data() + (((row0 + r) * groups + g) * kPasses + p) * kGroup;
+          const __m512i x_low = broadcast4(xq + 4 * c), x_high = broadcast4(xq + 16 + 4 * c);
+#pragma GCC unroll 4
+          for (int t = 0; t < T; ++t) {
+            dot[p][r][t] = _mm512_dpbusd_epi32(dot[p][r][t], low[t], x_low);
+            dot[p][r][t] = _mm512_dpbusd_epi32(dot[p][r][t], high[t], x_high);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) {
+      const uint16_t* s = w.scales + ((tile0 + t) * groups + g) * 2 * kLanes;
+      const __m512 d = half16(s), m = half16(s + kLanes);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (row0 + r) * groups + g;
+#pragma GCC unroll 2
+        for (int p = 0; p < kPasses; ++p) {
+          const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at * kPasses + p]));
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[p][r][t]), scale, acc[r][t]);
+        }
+        acc[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sums[at]), acc[r][t]);
+      }
+    }
+  }
+  store_block<R, T>(acc, w.n, row0, tile0, out, ldo);
+}
+
+// The same for Q8_0 codes stored + 128.
+template <int R, int T>
+void q8_block(const Activations& a, const Weights& w, int64_t row0, int64_t tile0, float* out, int64_t ldo) {
+  const int64_t groups = a.groups;
+  __m512 acc[R][T];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i dot[kPasses][R][T];
+#pragma GCC unroll 2
+    for (int p = 0; p < kPasses; ++p)
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i offset = _mm512_set1_epi32(a.offsets[((row0 + r) * groups + g) * kPasses + p]);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) dot[p][r][t] = offset;
+      }
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      __m512i codes[T];
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t)
+        codes[t] = _mm512_loadu_si512(w.codes + ((tile0 + t) * groups + g) * kQ8Bytes + c * 64);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+        for (int p = 0; p < kPasses; ++p) {
+          const __m512i x = broadcast4(a.codes.data() + (((row0 + r) * groups + g) * kPasses + p) * kGroup + 4 * c);
+#pragma GCC unroll 4
+          for (int t = 0; t < T; ++t) dot[p][r][t] = _mm512_dpbusd_epi32(dot[p][r][t], codes[t], x);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) {
+      const __m512 d = half16(w.scales + ((tile0 + t) * groups + g) * kLanes);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+        for (int p = 0; p < kPasses; ++p) {
+          const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(a.scales[((row0 + r) * groups + g) * kPasses + p]));
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[p][r][t]), scale, acc[r][t]);
+        }
+      }
+    }
+  }
+  store_block<R, T>(acc, w.n, row0, tile0, out, ldo);
+}
+
+#else  // no VNNI: the same arithmetic in plain loops (exact int sums, then the same float steps)
+
+float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+template <bool Q4>
+void scalar_block(const Activations& a, const Weights& w, int64_t row0, int64_t rows, int64_t tile0, int64_t tiles,
+                  float* out, int64_t ldo) {
+  const int64_t groups = a.groups;
+  for (int64_t r = row0; r < row0 + rows; ++r) {
+    for (int64_t tile = tile0; tile < tile0 + tiles; ++tile) {
+      for (int64_t lane = 0; lane < kLanes && tile * kLanes + lane < w.n; ++lane) {
+        float acc = 0.f;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t at = r * groups + g;
+          const uint16_t* s = w.scales + (tile * groups + g) * (Q4 ? 2 : 1) * kLanes;
+          for (int p = 0; p < kPasses; ++p) {
+            const int8_t* xq = a.codes.data() + (at * kPasses + p) * kGroup;
+            int32_t dot = Q4 ? 0 : a.offsets[at * kPasses + p];
+            for (int64_t i = 0; i < kGroup; ++i) {
+              int32_t code;
+              if (Q4) {
+                const int64_t chunk = (i % 16) / 4, byte = i % 4;
+                const uint8_t packed = w.codes[(tile * groups + g) * kQ4Bytes + chunk * 64 + lane * 4 + byte];
+                code = i < 16 ? (packed & 0x0F) : (packed >> 4);
+              } else {
+                code = w.codes[(tile * groups + g) * kQ8Bytes + (i / 4) * 64 + lane * 4 + i % 4];
+              }
+              dot += code * xq[i];
+            }
+            acc += static_cast<float>(dot) * (half_to_float(s[lane]) * a.scales[at * kPasses + p]);
+          }
+          if (Q4) acc += half_to_float(s[kLanes + lane]) * a.sums[at];
+        }
+        out[r * ldo + tile * kLanes + lane] = acc;
+      }
+    }
+  }
+}
+
+#endif
+
+using BlockFn = void (*)(const Activations&, const Weights&, int64_t, int64_t, float*, int64_t);
+
+#ifdef TOKENLOOP_VNNI
+// One instantiation per row count 1..kMaxRows and tile count 1..kMaxTiles, so ragged blocks keep their
+// accumulators in registers.
+template <bool Q4, int T, int... R>
+constexpr std::array<BlockFn, sizeof...(R)> rows_table(std::integer_sequence<int, R...>) {
+  return {(Q4 ? &q4_block<R + 1, T> : &q8_block<R + 1, T>)...};
+}
+template <bool Q4, int... T>
+constexpr std::array<std::array<BlockFn, kMaxRows>, sizeof...(T)> block_table(std::integer_sequence<int, T...>) {
+  return {rows_table<Q4, T + 1>(std::make_integer_sequence<int, kMaxRows>{})...};
+}
+constexpr auto kQ4Blocks = block_table<true>(std::make_integer_sequence<int, kMaxTiles>{});
+constexpr auto kQ8Blocks = block_table<false>(std::make_integer_sequence<int, kMaxTiles>{});
+#endif
+
+// Tiles in blocks across threads; rows in blocks of up to 4 within each (the tile block's codes stay in L1
+// while every row block reads them).
+template <bool Q4>
+void dot_matmul(const Activations& a, const Weights& w, float* out, int64_t ldo) {
+  // Register budget (32 zmm): R x T x 2 int32 dot accumulators (a code and a remainder code per value),
+  // R x T float sums, T (Q8_0) or 2T (Q4) code vectors. One or two rows: 2 tiles (Q4) or 3 (Q8_0) keep
+  // more loads in flight; more rows reuse each loaded chunk across 4 rows of 1 tile (Q4) or 2 (Q8_0).
+  const int64_t tiles_per_block = a.rows <= 2 ? (Q4 ? 2 : 3) : (Q4 ? 1 : 2);
+  const int64_t blocks = (w.tiles + tiles_per_block - 1) / tiles_per_block;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, 8 / tiles_per_block), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t tile0 = b * tiles_per_block, tiles = std::min(tiles_per_block, w.tiles - tile0);
+      for (int64_t row0 = 0; row0 < a.rows; row0 += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, a.rows - row0);
+#ifdef TOKENLOOP_VNNI
+        (Q4 ? kQ4Blocks : kQ8Blocks)[tiles - 1][rows - 1](a, w, row0, tile0, out, ldo);
+#else
+        scalar_block<Q4>(a, w, row0, rows, tile0, tiles, out, ldo);
+#endif
+      }
+    }
+  });
+}
+
+void check_operands(const char* name, const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                    const torch::Tensor& out, int64_t tile_bytes, int64_t scale_dims) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && codes.dtype() == torch::kUInt8 && scales.dtype() == torch::kFloat16 &&
+                  out.dtype() == torch::kFloat32,
+              name, ": float32 x, uint8 codes, float16 scales and float32 out expected, got ", x.dtype(), ", ",
+              codes.dtype(), ", ", scales.dtype(), ", ", out.dtype());
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == scale_dims && out.dim() == 2, name,
+              ": x [M, K], codes [N/16, K/32, ", tile_bytes, "], out [M, N] expected");
+  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous() && out.is_contiguous(), name,
+              ": contiguous tensors expected");
+  const int64_t tiles = codes.size(0), groups = codes.size(1), k = x.size(1), n = out.size(1);
+  TORCH_CHECK(codes.size(2) == tile_bytes, name, ": codes ", codes.sizes(), " are not in tiles of ", tile_bytes,
+              " bytes a block");
+  TORCH_CHECK(k > (groups - 1) * kGroup && k <= groups * kGroup, name, ": x has K = ", k, ", the codes ", groups,
+              " blocks of 32");
+  TORCH_CHECK(scales.size(0) == tiles && scales.size(1) == groups && scales.size(-1) == kLanes &&
+                  (scale_dims == 3 || scales.size(2) == 2),
+              name, ": scales ", scales.sizes(), " do not match codes ", codes.sizes());
+  TORCH_CHECK(out.size(0) == x.size(0) && n > (tiles - 1) * kLanes && n <= tiles * kLanes, name, ": out ",
+              out.sizes(), " does not match ", x.size(0), " rows and ", tiles, " tiles");
+}
+
+template <bool Q4>
+void run(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, torch::Tensor& out) {
+  const int64_t rows = x.size(0);
+  if (rows == 0) return;
+  const Activations a = quantize_activations(x.data_ptr<float>(), rows, x.size(1), codes.size(1));
+  const Weights w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                  codes.size(0), out.size(1)};
+  dot_matmul<Q4>(a, w, out.data_ptr<float>(), out.size(1));
+}
+
+}  // namespace
+
+// x [M, K] float32; codes [ceil(N/16), ceil(K/32), 256] uint8; scales [ceil(N/16), ceil(K/32), 2, 16] float16
+// (d, m); out [M, N] float32. All contiguous.
+void int4_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                     torch::Tensor& out) {
+  check_operands("int4_dot_matmul", x, codes, scales, out, kQ4Bytes, 4);
+  run<true>(x, codes, scales, out);
+}
+
+// x [M, K] float32; codes [ceil(N/16), K/32, 512] uint8 (Q8_0 code + 128); scales [ceil(N/16), K/32, 16]
+// float16; out [M, N] float32. All contiguous.
+void q8_0_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                     torch::Tensor& out) {
+  check_operands("q8_0_dot_matmul", x, codes, scales, out, kQ8Bytes, 3);
+  run<false>(x, codes, scales, out);
+}
+
+bool int8_dot_native() {
+#ifdef TOKENLOOP_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
