@@ -479,7 +479,7 @@ class Scheduler:
         seen: set[str] = set()
         rank = self.policy.order_running if running else self.policy.order
         while True:
-            pending = [r for r in queue.values() if r.request_id not in seen]
+            pending = [r for r in queue.values() if r.request_id not in seen] if seen else list(queue.values())
             try:
                 for request in rank(pending, now):
                     seen.add(request.request_id)
