@@ -158,3 +158,24 @@ def test_the_admission_order_from_the_step_records_is_the_running_queue_scans(mo
         self, "num_scheduled", record.num_scheduled))
     assert from_records == admission_order()
     assert sorted(from_records) == sorted(r.id for r in trace)
+
+
+def test_the_cyclic_collector_is_off_during_a_run_and_as_it_was_after() -> None:
+    import gc
+
+    import pytest
+
+    from tokenloop.sim.engine import cyclic_gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), cyclic_gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a run that fails")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cyclic_gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
