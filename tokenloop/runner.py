@@ -42,12 +42,15 @@ class RunnerOutput:
     """
 
     sample_indices: list[int]
-    logits: torch.Tensor  # [len(sample_indices), vocab]
+    logits: torch.Tensor | None  # [len(sample_indices), vocab]; None when `token_ids` are given
     prompt_logits: list[PromptLogitsSlice] = field(default_factory=list)
     forward_s: float = 0.0  # time inside the model forward alone; the rest of execute is batch building
     weight_form: str = ""  # the form the projections ran in this step (int4, bfloat16, ...): rows decide
     # On CUDA the forward runs asynchronously: events around it, read once the step has synchronized anyway.
     forward_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    # A runner that decides the tokens itself (the simulator dictates the trace's) gives one per sampling
+    # row here instead of logits: the step skips the sampler (no logprobs, no grammar masks).
+    token_ids: list[int] | None = None
 
     @property
     def forward_seconds(self) -> float:

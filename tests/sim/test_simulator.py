@@ -102,6 +102,20 @@ def test_eos_stops_a_request_at_its_recorded_length_without_ignore_eos() -> None
     assert len(out.outputs[0].token_ids) == 7 and out.outputs[0].token_ids[-1] == VOCAB - 1
 
 
+def test_the_runner_dictates_the_tokens_whatever_the_sampling_params() -> None:
+    # The runner hands the core its tokens (no logits): a request that would draw at temperature 1 still
+    # gets the trace's filler tokens and its EOS at the recorded length, and no sampler runs.
+    engine = make(VirtualClock())
+    engine.core.sampler.sample = None  # type: ignore[assignment,method-assign]  # a call would raise
+    engine.add_request("a", None, SamplingParams(temperature=1.0, max_tokens=6), prompt_token_ids=[1, 2, 3])
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (out,) = outputs
+    assert out.outputs[0].token_ids == [VOCAB - 2] * 5 + [VOCAB - 1]
+    assert out.outputs[0].finish_reason == "stop"
+
+
 def test_roofline_cost_is_the_slower_side() -> None:
     roof = StepCostModel(step=0.005, tokens=1e-5, combine="max")
     assert roof.step_seconds(StepFeatures(tokens=1)) == 0.005
@@ -124,3 +138,44 @@ def test_the_runner_prices_each_step_in_the_weight_form_its_rows_run() -> None:
     # A 10-token prefill on the dense copy, then two 1-token decodes on the packed form.
     assert [r.num_batched_tokens for r in keep.records] == [10, 1, 1]
     assert clock() == round(0.051 * NS_PER_S) + 2 * round(0.003 * NS_PER_S)
+
+
+def test_the_admission_order_from_the_step_records_is_the_running_queue_scans(monkeypatch) -> None:
+    # Bursts admit several requests a step; one-token requests finish in the step that admits them (they
+    # follow the ones still running); a small pool preempts and resumes (already noted: not again).
+    trace = [request(i, (i // 5) * 0.004, tuple(range(1 + i % 7, 9 + i % 7 + 3 * (i % 4))), (1, 2, 6, 15)[i % 4])
+             for i in range(60)]
+
+    def admission_order() -> list[str]:
+        run = replay_engine(trace, lambda clock: make(clock, num_blocks=20, max_num_seqs=6),
+                            label="fcfs", clock_mode=SIMULATED_CLOCK, progress=False)
+        assert run.num_preemptions and all(r.finish_reason == "length" for r in run.records)
+        return run.admission_order
+
+    from_records = admission_order()
+    # Without the record (as when an engine's records do not reach the replay), the running queue is scanned.
+    monkeypatch.setattr("tokenloop.bench.replay._LastStep.on_step", lambda self, record: setattr(
+        self, "num_scheduled", record.num_scheduled))
+    assert from_records == admission_order()
+    assert sorted(from_records) == sorted(r.id for r in trace)
+
+
+def test_the_cyclic_collector_is_off_during_a_run_and_as_it_was_after() -> None:
+    import gc
+
+    import pytest
+
+    from tokenloop.sim.engine import cyclic_gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), cyclic_gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a run that fails")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cyclic_gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()

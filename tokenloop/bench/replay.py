@@ -237,9 +237,11 @@ class _LastStep(EngineObserver):
 
     def reset(self) -> None:
         self.num_scheduled = self.num_batched_tokens = 0
+        self.record: StepRecord | None = None
 
     def on_step(self, record: StepRecord) -> None:
         self.num_scheduled, self.num_batched_tokens = record.num_scheduled, record.num_batched_tokens
+        self.record = record
 
 
 def replay_engine(trace: Sequence[TraceRequest], make_engine: Callable[[Callable[[], int]], LLMEngine], *,
@@ -279,10 +281,18 @@ def replay_engine(trace: Sequence[TraceRequest], make_engine: Callable[[Callable
     def arrival_ns(request: TraceRequest) -> int:
         return origin_ns + int(round(request.arrival_s * time_scale * NS_PER_S))
 
-    def note_admissions(outputs: list[RequestOutput]) -> None:
+    def note_admissions(outputs: list[RequestOutput], record: StepRecord | None) -> None:
         # Running requests keep admission order; ones that finished within the step follow, in step order.
-        for request_id in [r.request_id for r in engine.scheduler.running_requests()] + \
-                [o.request_id for o in outputs]:
+        # A running request not noted yet was admitted in this step (its admitted chunk, in admission
+        # order, and no release: nothing admitted is preempted in the step it is admitted), so the step's
+        # record names it without a pass over every running request.
+        if record is None:
+            running = [r.request_id for r in engine.scheduler.running_requests()]
+        else:
+            admitted_now = [c.request_id for c in record.scheduled if c.admitted]
+            ended = {r.request_id for r in record.releases} if admitted_now and record.releases else ()
+            running = [request_id for request_id in admitted_now if request_id not in ended]
+        for request_id in running + [o.request_id for o in outputs]:
             if request_id not in admitted and request_id in records:
                 admitted.add(request_id)
                 run.admission_order.append(request_id)
@@ -315,7 +325,7 @@ def replay_engine(trace: Sequence[TraceRequest], make_engine: Callable[[Callable
             _wait_until(vclock if virtual else None, arrival_ns(pending[0]))
             continue
         run.num_steps += 1
-        note_admissions(outputs)
+        note_admissions(outputs, last_step.record)
         for output in outputs:
             if output.finished and output.request_id in records:
                 _fill_from_output(records[output.request_id], output, origin_ns / NS_PER_S)

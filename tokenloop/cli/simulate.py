@@ -130,7 +130,7 @@ def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], 
     from tokenloop.bench.report import summarize_run
     from tokenloop.llm import build_engine_config
     from tokenloop.sim.energy import StepEnergy, attach_energy, energy_summary
-    from tokenloop.sim.engine import SimulatedEngine
+    from tokenloop.sim.engine import SimulatedEngine, cyclic_gc_paused
 
     options, vocab_size = _profile_options(profile, options, trace)
     config = PolicyBenchConfig(policies=tuple(policies), model=profile.model, engine_options=options,
@@ -150,8 +150,9 @@ def simulate_trace(trace: Sequence[Any], profile: Any, policies: Sequence[str], 
                                          observers=[energy] if energy is not None else ()))
             return built[-1]
 
-        run = replay_engine(trace, make_engine, label=policy, clock_mode=SIMULATED_CLOCK,
-                            time_scale=time_scale, progress=progress)
+        with cyclic_gc_paused():
+            run = replay_engine(trace, make_engine, label=policy, clock_mode=SIMULATED_CLOCK,
+                                time_scale=time_scale, progress=progress)
         attach_energy(run.records, energy)
         run.settings.update(profile=profile.name, **_run_costs([built[-1].runner], profile,
                                                                sum(r.output_len for r in run.records)))

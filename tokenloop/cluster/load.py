@@ -30,7 +30,6 @@ from tokenloop.sim.cost import (
     StepCostModel,
     StepFeatures,
     features_of_chunks,
-    features_of_record,
     nnls,
 )
 
@@ -80,8 +79,13 @@ class StepCostFit:
     def observe(self, record: StepRecord) -> None:
         if not record.scheduled:
             return
-        features = features_of_record(record)
-        self._rows.append((1.0, features.tokens, features.sampled_rows, (record.end_ns - record.start_ns) / 1e9))
+        # The two terms fitted, summed here (features_of_record's tokens and sampled rows without weight
+        # forms): a frame comes every step, and the full features cost a tuple per row.
+        tokens = sampled = 0
+        for chunk in record.scheduled:
+            tokens += chunk.num_tokens
+            sampled += chunk.samples
+        self._rows.append((1.0, tokens, sampled, (record.end_ns - record.start_ns) / 1e9))
         self._since_fit += 1
         if self._since_fit >= self._refit_every:
             self.refit()
@@ -240,8 +244,9 @@ class _Replica:
             self._release_inflight(flight)
 
     def end_prefill(self, flight: _Flight) -> None:
-        self.set_remaining(flight, 0)
-        self._release_inflight(flight)
+        if flight.remaining_prefill or flight.block_hashes:  # else ended already: every decode token comes here
+            self.set_remaining(flight, 0)
+            self._release_inflight(flight)
 
     def _release_inflight(self, flight: _Flight) -> None:
         if not flight.block_hashes:
@@ -328,11 +333,14 @@ class LoadTracker:
         state.num_free_blocks = gauges.num_free_blocks
         state.routed_since_stats = 0
         state.fit.observe(record)
+        flights = state.flights
         for chunk in record.scheduled:
-            flight = state.flights.get(chunk.request_id)
-            if flight is not None:
+            flight = flights.get(chunk.request_id)
+            if flight is None:
+                continue
+            if not flight.admitted:
                 state.admit(flight)
-            if flight is not None and chunk.start < chunk.num_prompt_tokens:
+            if chunk.start < chunk.num_prompt_tokens:
                 state.set_remaining(flight, max(0, chunk.num_prompt_tokens - chunk.start - chunk.num_tokens))
         for request_id in record.preempted:  # recomputed from scratch (its own prefix may still hit)
             flight = state.flights.get(request_id)

@@ -14,6 +14,7 @@ and inside the server's engine process.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Protocol
@@ -129,7 +130,9 @@ class EngineCore:
         ids = request.prompt_token_ids
         if not ids:
             raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
-        for token in ids:
+        # All plain ints in range, checked in C (a prompt is hundreds of ids); else the loop names the bad one.
+        plain = bool(ids) and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab
+        for token in () if plain else ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 raise InvalidRequestError(f"prompt token {token!r} is not a token id in [0, {vocab})",
                                           param="prompt")
@@ -223,8 +226,13 @@ class EngineCore:
             if speculating:  # a drafted row's logits rows: after its real token, then after each draft
                 sampling = [schedule.scheduled[i].request for i in result.sample_indices
                             for _ in range(1 + len(schedule.scheduled[i].draft_token_ids))]
-            sampled, failed_sampling = sample_isolated(self.sampler, result.logits, sampling, self.vocab_size)
-            failures += failed_sampling
+            if result.token_ids is not None:  # dictated by the runner (the simulator's): nothing to sample
+                sampled = list(zip(sampling, result.token_ids, itertools.repeat(None)))
+            else:
+                assert result.logits is not None
+                sampled, failed_sampling = sample_isolated(self.sampler, result.logits, sampling,
+                                                           self.vocab_size)
+                failures += failed_sampling
             self._record_prompt_logprobs(result, pending)
         sample_end = clock()
         num_accepted = 0
@@ -235,7 +243,9 @@ class EngineCore:
         else:
             for request, token, logprobs in sampled:
                 try:
-                    self._update(request, token, logprobs, sample_end, pending)
+                    status = self._append(request, token, logprobs, sample_end, pending)
+                    if status is not None:
+                        self._finish(request, status, sample_end)
                 except Exception as exc:  # noqa: BLE001 - one request's failure must not take the others down
                     logger.exception("update of %s failed", request.request_id)
                     failures.append((request, "updating", exc))
@@ -319,13 +329,10 @@ class EngineCore:
 
     # ---- update: append, stop checks -------------------------------------------------------------
 
-    def _update(self, request: Request, token: int, logprobs: TokenLogprobs | None, now: int,
-                pending: dict[str, _Pending]) -> None:
-        """Append the token, stamp it, and run the core's stop checks in vLLM's order."""
-        status = self._append(request, token, logprobs, now, pending)
-        if status is not None:
-            request.times.finished = now
-            self.scheduler.finish_request(request.request_id, status)
+    def _finish(self, request: Request, status: RequestStatus, now: int) -> None:
+        """End a request its update stopped (the stamp of the step's tokens is its end)."""
+        request.times.finished = now
+        self.scheduler.finish_request(request.request_id, status)
 
     def _verify(self, items: list[ScheduledRequest], sampled: list[Sampled], failures: list[Failure], now: int,
                 pending: dict[str, _Pending]) -> tuple[list[Sampled], int]:
@@ -357,8 +364,7 @@ class EngineCore:
                 if item.draft_token_ids:  # every appended token but the last was an input with its K/V computed
                     self.scheduler.accept_drafts(item, num_appended - 1)
                 if status is not None:
-                    request.times.finished = now
-                    self.scheduler.finish_request(request.request_id, status)
+                    self._finish(request, status, now)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not take the others down
                 logger.exception("update of %s failed", request.request_id)
                 failures.append((request, "updating", exc))
@@ -366,12 +372,18 @@ class EngineCore:
 
     def _append(self, request: Request, token: int, logprobs: TokenLogprobs | None, now: int,
                 pending: dict[str, _Pending]) -> RequestStatus | None:
-        """Append one token and run the stop checks; the status it ends the request with, if any."""
+        """Append one token, stamp it, and run the core's stop checks in vLLM's order; the status it ends the
+        request with, if any."""
         params = request.sampling_params
         request.append_output_token(token)
         request.times.record_token(now)
-        output = self._touch(pending, request)
-        output.new_token_ids.append(token)
+        entry = pending.get(request.request_id)  # `_touch`, inline: this runs for every token of every step
+        if entry is None:
+            output = CoreOutput(request.request_id, [token])
+            pending[request.request_id] = _Pending(output, request)
+        else:
+            output = entry.output
+            output.new_token_ids.append(token)
         if params.logprobs is not None and logprobs is not None:
             if output.new_logprobs is None:
                 output.new_logprobs = []

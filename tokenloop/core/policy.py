@@ -89,10 +89,17 @@ class _RankedPolicy:
         the sequence numbers are read from their dict in the sort key, not through a method call each."""
         requests = list(requests)
         seq = self._seq
-        for request in requests:
-            if request.request_id not in seq:
-                self._sequence(request)
-        return sorted(requests, key=lambda request: (request.times.arrival, seq[request.request_id]))
+
+        def key(request: Request) -> tuple[int, int]:
+            return request.times.arrival, seq[request.request_id]
+
+        try:
+            return sorted(requests, key=key)
+        except KeyError:  # one that never arrived here (rare): numbered now, in the order given
+            for request in requests:
+                if request.request_id not in seq:
+                    self._sequence(request)
+            return sorted(requests, key=key)
 
     def on_arrival(self, request: Request, now: int) -> None:
         self._sequence(request)

@@ -38,8 +38,9 @@ def step_record(index: int, times: Sequence[int], schedule: SchedulerOutput, res
     """`times`: start, schedule end, execute end, sample end, end (engine-clock ns); `sampled`: the tokens
     appended (a speculative row's accepted drafts and next token included)."""
     start, schedule_end, execute_end, sample_end, end = times
-    chunks = [ScheduledChunk(item.request_id, item.num_computed_tokens, item.num_tokens,
-                             item.request.num_prompt_tokens, item.samples, item.new_block_ids,
+    # The request's fields read directly, not through properties: this runs for every row of every step.
+    chunks = [ScheduledChunk(item.request.request_id, item.num_computed_tokens, item.num_tokens,
+                             len(item.request.prompt_token_ids), item.samples, item.new_block_ids,
                              item.num_reused_blocks, item.prefix_hit_tokens, item.admitted, item.num_blocks)
               for item in schedule.scheduled]
     return StepRecord(

@@ -24,7 +24,7 @@ from tokenloop.errors import TokenloopError
 from tokenloop.observe.records import EngineObserver
 from tokenloop.request import SamplingParams
 from tokenloop.sim.cost import StepCostModel
-from tokenloop.sim.engine import SimulatedEngine, SimulatedOutput
+from tokenloop.sim.engine import SimulatedEngine, SimulatedOutput, cyclic_gc_paused
 
 # route(request, now_ns) -> replica index; on_frame(replica, outputs) as each step's outputs arrive.
 Route = Callable[["SimRequest", int], int]
@@ -114,6 +114,10 @@ class SimulatedCluster:
 
     def run(self, requests: Sequence[SimRequest], route: Route, on_frame: OnFrame) -> ClusterRun:
         """Replay `requests` by their arrival times; every request runs to its `max_tokens` (greedy)."""
+        with cyclic_gc_paused():
+            return self._run(requests, route, on_frame)
+
+    def _run(self, requests: Sequence[SimRequest], route: Route, on_frame: OnFrame) -> ClusterRun:
         began = time.perf_counter()
         result = ClusterRun()
         pending = sorted(requests, key=lambda r: r.arrival_ns)  # stable: input order among equal arrivals

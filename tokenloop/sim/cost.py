@@ -123,6 +123,13 @@ def features_of_chunks(chunks: Iterable[tuple[int, int, bool]], forms: WeightFor
             attn += q * context
         sampled += samples
         seqs += 1
+    return features_of_totals(tokens, kv, attn, sampled, seqs, forms)
+
+
+def features_of_totals(tokens: int, kv: int, attn: int, sampled: int, seqs: int,
+                       forms: WeightForms = ONE_FORM) -> StepFeatures:
+    """From a step's sums over its rows (`features_of_chunks`' loop, or a caller's own pass over them):
+    batched tokens, contexts attended to, q x context of multi-token chunks, sampled rows, rows."""
     layers_max, head_max = forms.layers_packed_max_tokens, forms.head_packed_max_rows
     packed_layers = layers_max is not None and tokens <= layers_max
     packed_head = head_max is not None and sampled <= head_max
