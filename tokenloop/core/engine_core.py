@@ -131,7 +131,7 @@ class EngineCore:
         if not ids:
             raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
         # All plain ints in range, checked in C (a prompt is hundreds of ids); else the loop names the bad one.
-        plain = bool(ids) and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab
+        plain = set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab
         for token in () if plain else ids:
             if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab:
                 raise InvalidRequestError(f"prompt token {token!r} is not a token id in [0, {vocab})",
