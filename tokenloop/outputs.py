@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
 from tokenloop.errors import InvalidRequestError
 from tokenloop.request import NS_PER_S, RequestTimes, SamplingParams
-from tokenloop.sampler import TokenLogprobs
+from tokenloop.logprobs import TokenLogprobs
 from tokenloop.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)

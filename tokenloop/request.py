@@ -12,12 +12,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
-
 from tokenloop.errors import InvalidRequestError
 from tokenloop.structured.spec import StructuredOutputsParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch is imported where a generator is made: sampling parameters, a request's
+    # description, travel to processes (the server's front end) that never import torch otherwise
+    import torch
+
     from tokenloop.core.speculative import NgramIndex
     from tokenloop.structured.matcher import RequestMatcher
 
@@ -25,6 +26,8 @@ Clock = Callable[[], int]
 """A monotonic clock returning integer nanoseconds (default: `time.monotonic_ns`)."""
 
 NS_PER_S = 1_000_000_000
+# Below this, dividing by the temperature overflows float32; such rows are greedy, as in vLLM.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def default_clock() -> int:
@@ -108,33 +111,35 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be -1 or 0 (disabled) or positive, got {self.top_k}",
                                       param="top_k")
         self.top_k = max(self.top_k, 0)
+        # Messages are str.format templates, filled in only for a check that fails: a request's params are
+        # built once per request, and formatting all of them every time cost more than the checks.
         checks: list[tuple[bool, str, str]] = [
-            (self.n >= 1, "n", f"n must be >= 1, got {self.n}"),
-            (self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
-            (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.n >= 1, "n", "n must be >= 1, got {self.n}"),
+            (self.temperature >= 0, "temperature", "temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, "top_p", "top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, "min_p", "min_p must be in [0, 1], got {self.min_p}"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty",
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+             "presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+             "frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.repetition_penalty > 0, "repetition_penalty",
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+             "repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-             f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
+             "max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+             "min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-             f"logprobs must be in [0, 20], got {self.logprobs}"),
+             "logprobs must be in [0, 20], got {self.logprobs}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+             "prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
             (self.output_kind in OUTPUT_KINDS, "output_kind",
-             f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}"),
+             "output_kind must be one of " + ", ".join(OUTPUT_KINDS) + ", got {self.output_kind!r}"),
         ]
         for ok, param, message in checks:
             if not ok:
-                raise InvalidRequestError(message, param=param)
+                raise InvalidRequestError(message.format(self=self), param=param)
 
     @property
     def greedy(self) -> bool:
@@ -246,6 +251,8 @@ class Request:
         # A seeded request draws from its own generator so that batching does not change its output.
         self.generator: torch.Generator | None = None
         if sampling_params.seed is not None:
+            import torch
+
             self.generator = torch.Generator()
             self.generator.manual_seed(sampling_params.seed)
         # A constrained request's grammar state, set by the engine; it advances with new output tokens only.

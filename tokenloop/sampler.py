@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenloop.errors import InvalidRequestError
-from tokenloop.request import Request, SamplingParams
+from tokenloop.logprobs import TokenLogprobs  # here too: its home before it had its own module
+from tokenloop.request import GREEDY_TEMPERATURE, Request, SamplingParams
 from tokenloop.sampling_ops import (
     _apply_penalties,
     _inverse_cdf,
@@ -37,21 +38,9 @@ from tokenloop.sampling_ops import (
 if TYPE_CHECKING:
     from tokenloop.structured.matcher import BitmaskApplier, RequestMatcher
 
-# Below this, dividing by the temperature overflows float32; such rows are greedy, as in vLLM.
-GREEDY_TEMPERATURE = 1e-5
 # Rows of the [L, V] log-softmax that prompt_logprobs holds at once, to bound memory on long prompts.
 _PROMPT_LOGPROBS_CHUNK = 512
 _NEG_INF = float("-inf")
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprobs at one position: the chosen token's, its rank, and the best alternatives."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token (ties share the better rank)
-    top: list[tuple[int, float]]  # the N most likely (token_id, logprob), best first
 
 
 @dataclass

@@ -362,3 +362,11 @@ def test_seed_costs_from_a_profile_count_rows_in_the_weight_form_they_run() -> N
     costs = StepCosts.from_cost_model(model)
     assert costs.decode_row_s == pytest.approx(0.002)
     assert costs.prefill_token_s == pytest.approx(0.0003 + 0.02 / 512)
+
+
+def test_the_command_lines_router_names_are_the_routers() -> None:
+    """`tokenloop serve --router` is checked against tokenloop.config.ROUTER_NAMES before anything starts
+    (without importing the router): the two lists must name the same routers."""
+    from tokenloop.config import ROUTER_NAMES
+
+    assert tuple(ROUTERS) == ROUTER_NAMES

@@ -365,7 +365,7 @@ def test_refusals_name_the_reason_and_the_request_resumes_on_a(tiny: Checkpoint)
     a, tokens = _run_on_a(tiny, prompt, True, 4)
     snapshot = a.export_request(RID)
     b = _core(tiny)
-    mismatches = (("model", "another-model", "model"), ("kv_layout", "bfloat16:2x2x16", "layout"))
+    mismatches = (("model", "another-model", "model"), ("kv_layout", "float16:2x2x16", "layout"))
     for field_, value, name in mismatches:
         changed = wire.decode(wire.encode(snapshot))
         setattr(changed, field_, value)
@@ -378,6 +378,28 @@ def test_refusals_name_the_reason_and_the_request_resumes_on_a(tiny: Checkpoint)
     _drain(a, tokens)
     assert tokens[RID] == expected
     _assert_clean(a, b)
+
+
+def test_engines_with_other_kv_cache_dtypes_refuse_a_handoff_naming_both(tiny: Checkpoint) -> None:
+    """fp32 K/V bytes cannot be read as bf16 ones (nor the reverse): refused, both dtypes named; the request
+    resumes on its source with the tokens it would have had."""
+    vocab = tiny.config.vocab_size
+    prompt = _prompt(10, 9, vocab)
+    for here, there in (("float32", "bfloat16"), ("bfloat16", "float32")):
+        alone = _core(tiny, dtype="float32", kv_cache_dtype=here)
+        alone.add_requests([CoreRequest(RID, prompt, _params(True), 0)])
+        expected: dict[str, list[int]] = {}
+        _drain(alone, expected)
+        a, tokens = _run_on_a(tiny, prompt, True, 4, dtype="float32", kv_cache_dtype=here)
+        b = _core(tiny, dtype="float32", kv_cache_dtype=there)
+        snapshot = a.export_request(RID)
+        result = b.import_request(snapshot)
+        assert not result.accepted and "KV layout" in (result.reason or "")
+        assert f"{here}:2x2x16" in (result.reason or "") and f"{there}:2x2x16" in (result.reason or "")
+        assert a.resume_export(snapshot.lease_id)
+        _drain(a, tokens)
+        assert tokens[RID] == expected[RID]
+        _assert_clean(a, b)
 
 
 # ---- live migration: pre-copy, then the tail ------------------------------------------------------------
@@ -538,10 +560,13 @@ def test_times_rebase_and_salt_priority_and_fair_share_travel(tiny: Checkpoint) 
     _assert_clean(a, b)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_runner_block_bytes_round_trip(tiny: Checkpoint, dtype: str) -> None:
-    runner = _core(tiny, dtype=dtype).runner
-    assert runner.kv_layout == f"{dtype}:2x2x16"  # the tiny model: 2 layers, 2 KV heads of 16
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "auto"), ("bfloat16", "auto"),
+                                                  ("float32", "bfloat16")])
+def test_runner_block_bytes_round_trip(tiny: Checkpoint, dtype: str, kv_cache_dtype: str) -> None:
+    runner = _core(tiny, dtype=dtype, kv_cache_dtype=kv_cache_dtype).runner
+    kv = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    assert runner.kv_layout == f"{kv}:2x2x16"  # the tiny model: 2 layers, 2 KV heads of 16
+    assert runner.kv_bytes_per_token == 2 * 2 * 2 * 16 * (4 if kv == "float32" else 2)
     for key, value in runner.kv_caches:
         key[3].normal_()
         value[3].normal_()

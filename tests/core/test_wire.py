@@ -17,7 +17,7 @@ from tokenloop.core.scheduler import SchedulerStats
 from tokenloop.errors import CapacityError, InvalidRequestError, RequestFailedError
 from tokenloop.observe.records import ScheduledChunk, StepGauges, StepRecord
 from tokenloop.request import SamplingParams
-from tokenloop.sampler import TokenLogprobs
+from tokenloop.logprobs import TokenLogprobs
 from tokenloop.structured.spec import StructuredOutputsParams
 
 _ints = st.integers(-2 ** 53, 2 ** 53)

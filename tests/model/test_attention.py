@@ -21,6 +21,7 @@ def _run_paged_in_chunks(
     scale: float,
     rng: random.Random,
     kernel: ModuleType | None = None,
+    kv_dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
     """Feed each sequence through paged attention in the given chunk sizes, all sequences per step
     in one ragged batch, with blocks scattered randomly over the pool. Returns per-sequence outputs."""
@@ -33,8 +34,8 @@ def _run_paged_in_chunks(
         tables.append([free.pop() for _ in range(needed)])
     max_blocks = max(len(t) for t in tables)
     block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)  # garbage must not leak in
-    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(kv_dtype)  # garbage must not leak
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(kv_dtype)
     outputs = [torch.empty_like(q) for q, _, _ in sequences]
     done = [0] * len(sequences)
     for step in range(max(len(plan) for plan in chunk_plan)):
@@ -114,3 +115,33 @@ def test_decode_batch_with_uneven_lengths_ignores_padding(decode: str) -> None:
     outputs = _run_paged_in_chunks(sequences, plans, 4, 2, 8, 0.35, rng, kernel)
     for (q, k, v), out in zip(sequences, outputs):
         torch.testing.assert_close(out, dense_causal_attention(q, k, v, 0.35), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("decode", ["torch", "cpp"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # 64 / 128: the C++ register path; 16: its generic loop
+def test_bf16_kv_cache_attends_as_the_rounded_keys_and_values(block_size: int, num_heads: int, num_kv_heads: int,
+                                                               head_dim: int, decode: str) -> None:
+    """A bf16 KV cache with fp32 queries: ragged contexts over several blocks, GQA, prefill chunks and decode
+    rows in one batch. The output is fp32 attention over K/V rounded to bf16 (sums in fp32), and within bf16
+    precision of attention over the unrounded fp32 K/V."""
+    kernel = _decode_kernel(decode)
+    rng = random.Random(block_size * 1000 + num_heads * 10 + head_dim)
+    torch.manual_seed(rng.randrange(1 << 30))
+    scale = head_dim ** -0.5
+    lengths = [1, 6, 19, 40, 70]
+    sequences = [(torch.randn(n, num_heads, head_dim), torch.randn(n, num_kv_heads, head_dim),
+                  torch.randn(n, num_kv_heads, head_dim)) for n in lengths]
+    plans = []
+    for n in lengths:  # a prefill, chunks, then token-by-token decode: every read path sees the bf16 cache
+        first = rng.randint(1, n)
+        rest = n - first
+        chunk = min(rest, rng.randint(0, 8))
+        plans.append([first] + ([chunk] if chunk else []) + [1] * (rest - chunk))
+    outputs = _run_paged_in_chunks(sequences, plans, block_size, num_kv_heads, head_dim, scale, rng, kernel,
+                                   kv_dtype=torch.bfloat16)
+    for (q, k, v), out in zip(sequences, outputs):
+        rounded = dense_causal_attention(q, k.bfloat16().float(), v.bfloat16().float(), scale)
+        torch.testing.assert_close(out, rounded, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, dense_causal_attention(q, k, v, scale), rtol=2e-2, atol=2e-2)

@@ -26,11 +26,16 @@ def test_auto_with_native_bf16(features: CpuFeatures) -> None:
     assert (floats.activations, floats.weights) == ("float32", "bfloat16")
 
 
-@pytest.mark.parametrize("quantized", [True, False])
-def test_auto_without_native_bf16_is_fp32(quantized: bool) -> None:
-    choice = resolve_dtype("auto", None, "cpu", quantized_checkpoint=quantized, features=PLAIN_CPU)
-    assert (choice.activations, choice.weights) == ("float32", "float32")
-    assert "neither AVX512-BF16 nor AMX" in choice.describe()
+def test_auto_without_native_bf16() -> None:
+    """Packed forms for small batches and a float32 copy for large ones (no bf16 GEMM); floats stay fp32."""
+    quantized = resolve_dtype("auto", None, "cpu", quantized_checkpoint=True, features=PLAIN_CPU)
+    assert (quantized.activations, quantized.weights, quantized.dense_copy) == ("float32", "quantized", "float32")
+    assert "without AVX512-BF16 or AMX" in quantized.describe()
+    floats = resolve_dtype("auto", None, "cpu", quantized_checkpoint=False, features=PLAIN_CPU)
+    assert (floats.activations, floats.weights) == ("float32", "float32")
+    assert "neither AVX512-BF16 nor AMX" in floats.describe()
+    for features in (BF16_CPU, AMX_CPU):
+        assert resolve_dtype("auto", None, "cpu", True, features).dense_copy == "bfloat16"
 
 
 def test_explicit_dtypes_are_kept() -> None:
@@ -97,3 +102,63 @@ def test_engine_resolves_auto_for_its_cpu(tiny, monkeypatch: pytest.MonkeyPatch,
     assert engine.dtype_choice.activations == "float32" and engine.model.dtype == torch.float32
     assert engine.model.layers[0].qkv.dtype == weights
     assert engine.runner.last_weight_form == str(weights).removeprefix("torch.")
+
+
+def test_kv_cache_auto_is_bf16_under_dtype_auto_on_the_cpu() -> None:
+    for features in (BF16_CPU, AMX_CPU, PLAIN_CPU):
+        for quantized in (True, False):
+            choice = resolve_dtype("auto", None, "cpu", quantized, features)
+            assert (choice.activations, choice.kv_cache) == ("float32", "bfloat16")
+            assert "KV cache bfloat16" in choice.describe() and "activations float32" in choice.describe()
+    assert resolve_dtype("auto", "float32", "cpu", True, BF16_CPU).kv_cache == "bfloat16"
+    # An explicit dtype (the HF parity tests pin float32) keeps the activations' dtype; so do other devices.
+    explicit = resolve_dtype("float32", None, "cpu", True, BF16_CPU)
+    assert explicit.kv_cache == "float32" and explicit.describe().startswith("activations and KV cache float32")
+    assert resolve_dtype("bfloat16", None, "cpu", True, BF16_CPU).kv_cache == "bfloat16"
+    assert resolve_dtype("auto", None, "cuda", False, PLAIN_CPU).kv_cache == "bfloat16"
+    assert resolve_dtype("auto", None, "mps", False, PLAIN_CPU).kv_cache == "float32"
+
+
+def test_kv_cache_dtype_as_configured() -> None:
+    choice = resolve_dtype("float32", None, "cpu", False, PLAIN_CPU, kv_cache_dtype="bfloat16")
+    assert (choice.activations, choice.kv_cache) == ("float32", "bfloat16")
+    assert "KV cache bfloat16 (as configured)" in choice.describe()
+    assert resolve_dtype("auto", None, "cpu", True, BF16_CPU, kv_cache_dtype="float32").kv_cache == "float32"
+    assert resolve_dtype("auto", None, "cuda", True, PLAIN_CPU, kv_cache_dtype="bfloat16").kv_cache == "bfloat16"
+    with pytest.raises(ConfigError, match="kv_cache_dtype float32 differs from the activations' bfloat16 on cuda"):
+        resolve_dtype("auto", None, "cuda", True, PLAIN_CPU, kv_cache_dtype="float32")
+
+
+def test_kv_cache_dtype_is_validated() -> None:
+    assert EngineConfig().kv_cache_dtype == "auto"
+    assert build_engine_config("m", kv_cache_dtype="bfloat16").kv_cache_dtype == "bfloat16"
+    for bad in ("float16", "fp8", "bf16"):
+        with pytest.raises(ConfigError, match="kv_cache_dtype must be auto, float32, bfloat16, got"):
+            EngineConfig(kv_cache_dtype=bad)
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine_config() -> None:
+    import argparse
+
+    from tokenloop.cli.options import _engine_options, add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert _engine_options(parser.parse_args(["--kv-cache-dtype", "bfloat16"]))["kv_cache_dtype"] == "bfloat16"
+    assert "kv_cache_dtype" not in _engine_options(parser.parse_args([]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int8"])
+
+
+@pytest.mark.parametrize("kv_cache_dtype,element", [("float32", 4), ("bfloat16", 2)])
+def test_engine_sizes_its_pool_by_the_kv_dtype(tiny, kv_cache_dtype: str, element: int) -> None:  # tiny: a Checkpoint
+    """bf16 K/V: twice the blocks in the same memory budget."""
+    budget = 1 << 20
+    engine = LLMEngine(build_engine_config(str(tiny.path), dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                                           kv_cache_memory_bytes=budget), checkpoint=tiny)
+    cfg = tiny.config
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * element
+    assert engine.model.kv_dtype == getattr(torch, kv_cache_dtype) and engine.model.dtype == torch.float32
+    assert engine.model.kv_bytes_per_block(16) == per_block
+    assert engine.kv_cache.num_blocks == budget // per_block
+    assert engine.runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)

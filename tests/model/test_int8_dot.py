@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize, quantize
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tokenloop.model.cpu_kernels import paged_decode_kernels
@@ -93,13 +93,19 @@ def _check_product(weight: Int4DotWeight | Q8DotWeight, dense: torch.Tensor, rou
     got = weight.matmul(x)
     assert got.dtype == torch.float32 and got.shape == (rows, dense.shape[0])
     assert ((got.double() - expected).abs() <= bound).all()
-    # Same codes, same exact integer sums: the two differ by float32 rounding only.
+    # Same codes, same exact integer sums: the two differ by float32 rounding, and where an activation's
+    # remainder falls on a rounding tie, by one remainder step of that block (the kernel's x - q dx is fused,
+    # the twin's is not, so they may round it apart: hypothesis found such cases).
     close = 1e-5 * (x.abs().double() @ (dense.abs().double() + rounded.abs().double()).t()) + 1e-30
-    assert ((got.double() - twin.double()).abs() <= close).all()
+    k = dense.shape[1]
+    coded = torch.nn.functional.pad(rounded.abs().double(), (0, blocks * 32 - k)).view(dense.shape[0], blocks, 32)
+    tie = (quantize_activations(x, blocks).scales.double() / 254) @ coded.amax(-1).t()
+    assert ((got.double() - twin.double()).abs() <= close + tie).all()
 
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 80), k=st.integers(1, 700), rows=st.integers(1, 40), seed=st.integers(0, 2**16))
+@example(n=8, k=22, rows=3, seed=55)  # a remainder tie the kernel and the twin round apart
 def test_int4_dot_matches_the_dequantized_product(n: int, k: int, rows: int, seed: int) -> None:
     """Any N (ragged against the 16-column tiles) and K (ragged against the 32-value blocks); rows across the
     1-2-row and 4-row register blocks."""
@@ -112,6 +118,7 @@ def test_int4_dot_matches_the_dequantized_product(n: int, k: int, rows: int, see
 
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 80), blocks=st.integers(1, 24), rows=st.integers(1, 40), seed=st.integers(0, 2**16))
+@example(n=11, blocks=3, rows=3, seed=38963)  # likewise
 def test_q8_dot_matches_the_dequantized_product(n: int, blocks: int, rows: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(-128, 128, (n, blocks * 32), dtype=torch.int8, generator=gen)

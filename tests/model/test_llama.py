@@ -149,3 +149,22 @@ def test_bf16_weights_with_fp32_activations_stay_close(tiny_model_dir: Path) -> 
     ours = PagedHarness(narrow, block_size=8).step([(Sequence(prompt), 40)])[0]
     reference = PagedHarness(full, block_size=8).step([(Sequence(prompt), 40)])[0]
     _assert_relative_close(ours, reference, tolerance=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_is_zeroed_writable_and_one_tensor_per_layer_and_side(tiny_model_dir: Path,
+                                                                       dtype: torch.dtype) -> None:
+    checkpoint = load_checkpoint(str(tiny_model_dir))
+    model = LlamaModel.from_weights(checkpoint.config, checkpoint.weights, kv_dtype=dtype)
+    caches = model.allocate_kv_cache(num_blocks=7, block_size=4)
+    config = model.config
+    assert len(caches) == config.num_layers
+    pointers = set()
+    for key, value in caches:
+        for cache in (key, value):
+            assert cache.shape == (7, 4, config.num_kv_heads, config.head_dim) and cache.dtype == dtype
+            assert cache.is_contiguous() and not cache.any()
+            pointers.add(cache.data_ptr())
+    assert len(pointers) == 2 * config.num_layers  # no two share memory
+    caches[0][1][3, 2] = 1.5  # written in place, as write_kv does; nothing else moves
+    assert caches[0][1][3, 2].eq(1.5).all() and not caches[0][0].any() and not caches[1][1].any()

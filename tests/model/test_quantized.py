@@ -14,11 +14,21 @@ from hypothesis import strategies as st
 
 from tests.model.paged_harness import PagedHarness, Sequence
 from tests.model.test_loader import write_tiny_gguf
+from tokenloop.model import quantized
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
-from tokenloop.model.quantized import (GGMLTensor, Int4Weight, PackedLinear, PackThresholds, Q8Weight,
-                                       QuantizedEmbedding, dense_linear, pack_linear, prepack_dense)
+from tokenloop.model.quantized import (
+    GGMLTensor,
+    Int4Weight,
+    PackedLinear,
+    PackThresholds,
+    Q8Weight,
+    QuantizedEmbedding,
+    dense_linear,
+    pack_linear,
+    prepack_dense,
+)
 
 
 def _ggml(tensor_type: QType, rows: int, cols: int, seed: int = 0) -> tuple[GGMLTensor, np.ndarray]:
@@ -32,9 +42,19 @@ def _ggml(tensor_type: QType, rows: int, cols: int, seed: int = 0) -> tuple[GGML
 
 
 @pytest.mark.parametrize("tensor_type", [QType.Q4_0, QType.Q4_1, QType.Q8_0])
-def test_ggml_dequantize_is_bit_exact(tensor_type: QType) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_ggml_dequantize_is_bit_exact(tensor_type: QType, dtype: torch.dtype, kernel: bool,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """ggml's values (rounded once to bf16), from the C++ one-pass unpack (Q4_0 / Q4_1) and torch's ops alike."""
+    if kernel and paged_decode_kernels() is None:
+        pytest.skip("C++ CPU kernels unavailable")
+    if not kernel:
+        monkeypatch.setattr(quantized, "paged_decode_kernels", lambda: None)
     tensor, reference = _ggml(tensor_type, 40, 96)
-    assert torch.equal(tensor.dequantize(), torch.from_numpy(reference))
+    assert torch.equal(tensor.dequantize(dtype), torch.from_numpy(reference).to(dtype))
+    if tensor_type != QType.Q8_0:  # with the codes given (the unpack a pack shared), the same values
+        assert torch.equal(tensor.dequantize(dtype, tensor.q4_codes()), torch.from_numpy(reference).to(dtype))
 
 
 @pytest.mark.parametrize("tensor_type", [QType.Q4_0, QType.Q4_1])
@@ -152,14 +172,22 @@ def test_packed_linear_picks_the_form_by_rows() -> None:
         torch.testing.assert_close(out, expected[:rows], rtol=3e-2, atol=3e-2 * expected.abs().max().item())
     only = pack_linear(tensor, PackThresholds(1 << 62, 1 << 62, keep_dense=False, int8_dot=False))
     assert isinstance(only, PackedLinear) and only.dense is None and only.form_for(10_000) == "int4"
-    # The LM head (fp32 logits): the Q8_0 kernel at every row count, no float32 copy of the weights.
-    head = pack_linear(_ggml(QType.Q8_0, 32, 64)[0], PackThresholds(q8_max_rows=2, int8_dot=False), dense_dtype=torch.float32)
-    assert isinstance(head, PackedLinear) and head.dense is None
-    assert [head.form_for(r) for r in (2, 3, 512)] == ["q8_0"] * 3 and head.input_dtype_for(512) == torch.float32
-    assert head(x).dtype == torch.float32
-    # A Q8_0 layer (bf16 output is fine there) still keeps its bf16 copy for large batches.
-    layer = pack_linear(_ggml(QType.Q8_0, 32, 64)[0], PackThresholds(q8_max_rows=2, int8_dot=False))
-    assert isinstance(layer, PackedLinear) and [layer.form_for(r) for r in (2, 3)] == ["q8_0", "bfloat16"]
+    q8, q8_reference = _ggml(QType.Q8_0, 32, 64)
+    with pytest.MonkeyPatch.context() as patch:  # the Q8_0 tiled kernel's AVX-512 path
+        patch.setattr(quantized, "avx512_native", lambda: True)
+        # The LM head (fp32 logits): the Q8_0 kernel at every row count, no float32 copy of the weights.
+        head = pack_linear(q8, PackThresholds(q8_max_rows=2, int8_dot=False), dense_dtype=torch.float32)
+        assert isinstance(head, PackedLinear) and head.dense is None
+        assert [head.form_for(r) for r in (2, 3, 512)] == ["q8_0"] * 3 and head.input_dtype_for(512) == torch.float32
+        assert head(x).dtype == torch.float32
+        # A Q8_0 layer (bf16 output is fine there) still keeps its bf16 copy for large batches.
+        layer = pack_linear(q8, PackThresholds(q8_max_rows=2, int8_dot=False))
+        assert isinstance(layer, PackedLinear) and [layer.form_for(r) for r in (2, 3)] == ["q8_0", "bfloat16"]
+    with pytest.MonkeyPatch.context() as patch:  # without it the plain loops lose to the copy at every row count
+        patch.setattr(quantized, "avx512_native", lambda: False)
+        head = pack_linear(q8, PackThresholds(q8_max_rows=2, int8_dot=False), dense_dtype=torch.float32)
+        assert isinstance(head, PackedLinear) and [head.form_for(r) for r in (1, 512)] == ["float32"] * 2
+        torch.testing.assert_close(head(x), x @ torch.from_numpy(q8_reference).t(), rtol=1e-4, atol=1e-4)
 
 
 def test_q8_embedding_rows_are_exact() -> None:

@@ -7,6 +7,7 @@ import torch
 
 from tests.conftest import requires_default_model
 from tests.model.paged_harness import PagedHarness, Sequence
+from tokenloop.bench.datasets import AGREEMENT_PROMPTS
 from tokenloop.model.attention import AttentionMetadata
 from tokenloop.model.int8_dot import int8_dot_available
 from tokenloop.model.llama import LlamaModel
@@ -15,15 +16,7 @@ from tokenloop.model.quantized import PackedLinear, PackThresholds
 
 pytestmark = [requires_default_model, pytest.mark.real_model]
 
-PROMPTS = [
-    "The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
-    "Explain why the sky is blue.", "List three fruits:", "Once upon a time, in a small village,",
-    "The best way to learn a language is", "Translate to French: good morning", "What is 12 times 12?",
-    "A recipe for bread needs", "import numpy as np\n", "The meaning of life is",
-    "Summarise: The cat sat on the mat all day long.", "My favourite season is autumn because",
-    "Name the planets of the solar system.", "How do trains work?", "Dear Sir or Madam,",
-    "The quick brown fox", "Q: Who wrote Hamlet?\nA:", "Three tips for better sleep:",
-]
+PROMPTS = AGREEMENT_PROMPTS
 NEW_TOKENS = 64
 INT4_FORMS = ("int4", "int4_vnni")  # torch's kernel; our int8-dot kernel where it runs natively
 
@@ -55,15 +48,21 @@ def _teacher_forced_top1(model: LlamaModel, prompt: list[int], continuation: lis
     return logits.argmax(-1).tolist()
 
 
-def test_packed_model_top1_agrees_with_fp32(smollm2_checkpoint) -> None:
+@pytest.fixture(scope="module")
+def fp32_reference(smollm2_checkpoint) -> tuple[list[list[int]], list[list[int]]]:
+    """The prompts' token ids and the fp32 model's (fp32 weights and KV cache) NEW_TOKENS greedy tokens."""
+    tokenizer = smollm2_checkpoint.tokenizer
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    reference = LlamaModel.from_weights(smollm2_checkpoint.config, smollm2_checkpoint.weights)
+    return prompts, _greedy_batched(reference, prompts)
+
+
+def test_packed_model_top1_agrees_with_fp32(fp32_reference) -> None:
     """20 prompts x 64 greedy fp32 tokens, teacher-forced: >= 98% top-1 agreement, for the int4 / Q8_0 kernels
     (forced for every row count) and for the per-batch-size choice (large prefills run the bf16 copy), with our
     int8-dot kernels where they run natively and with torch's int4 and our fp32 Q8_0 kernel."""
     kept = load_checkpoint("smollm2-135m-instruct", keep_quantized=True)
-    tokenizer = smollm2_checkpoint.tokenizer
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    reference = LlamaModel.from_weights(smollm2_checkpoint.config, smollm2_checkpoint.weights)
-    continuations = _greedy_batched(reference, prompts)
+    prompts, continuations = fp32_reference
     total = len(prompts) * NEW_TOKENS
     for thresholds in (PackThresholds.always_packed(), PackThresholds(), PackThresholds(int8_dot=False)):
         model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True, thresholds=thresholds)
@@ -71,6 +70,41 @@ def test_packed_model_top1_agrees_with_fp32(smollm2_checkpoint) -> None:
         agree = sum(a == b for prompt, cont in zip(prompts, continuations)
                     for a, b in zip(_teacher_forced_top1(model, prompt, cont), cont))
         assert agree / total >= 0.98, f"{thresholds}: top-1 agreement {agree}/{total}"
+
+
+def _teacher_forced_decode_top1(model: LlamaModel, prompts: list[list[int]],
+                                continuations: list[list[int]]) -> list[list[int]]:
+    """The model's argmax at each continuation position, fed the reference tokens one decode step at a time,
+    all prompts batched: the decode kernel reads every earlier token's K/V back from the cache."""
+    harness = PagedHarness(model, num_blocks=512)
+    seqs = [Sequence(p + c) for p, c in zip(prompts, continuations)]
+    logits = harness.step([(s, len(p)) for s, p in zip(seqs, prompts)])
+    tops = [[int(row.argmax())] for row in logits]
+    for _ in range(NEW_TOKENS - 1):
+        for top, row in zip(tops, harness.step([(s, 1) for s in seqs])):
+            top.append(int(row.argmax()))
+    return tops
+
+
+def test_bf16_kv_cache_top1_agrees_with_fp32(smollm2_checkpoint, fp32_reference) -> None:
+    """A bf16 KV cache (fp32 activations and sums), with fp32 weights and with the default packed weights:
+    >= 98% teacher-forced top-1 agreement with the fp32 model, through one prefill (attention over this
+    step's K/V as cached) and through decode steps (the decode kernel over the bf16 cache); and with fp32
+    weights, most prompts' greedy tokens are the fp32 KV cache's."""
+    kept = load_checkpoint("smollm2-135m-instruct", keep_quantized=True)
+    prompts, continuations = fp32_reference
+    total = len(prompts) * NEW_TOKENS
+    dense = LlamaModel.from_weights(smollm2_checkpoint.config, smollm2_checkpoint.weights, kv_dtype=torch.bfloat16)
+    packed = LlamaModel.from_weights(kept.config, kept.weights, quantized=True, kv_dtype=torch.bfloat16)
+    for name, model in (("fp32 weights", dense), ("packed weights", packed)):
+        assert model.allocate_kv_cache(1, 16)[0][0].dtype == torch.bfloat16
+        prefill = [_teacher_forced_top1(model, prompt, cont) for prompt, cont in zip(prompts, continuations)]
+        decoded = _teacher_forced_decode_top1(model, prompts, continuations)
+        for path, tops in (("prefill", prefill), ("decode", decoded)):
+            agree = sum(a == b for top, cont in zip(tops, continuations) for a, b in zip(top, cont))
+            assert agree / total >= 0.98, f"{name}, {path}: top-1 agreement {agree}/{total}"
+    same = sum(got == want for got, want in zip(_greedy_batched(dense, prompts), continuations))
+    assert same >= len(prompts) // 2, f"only {same} of {len(prompts)} prompts decode the same greedy tokens"
 
 
 def test_default_engine_serves_the_packed_weights(monkeypatch: pytest.MonkeyPatch) -> None:

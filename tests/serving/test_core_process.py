@@ -170,7 +170,8 @@ def _metric(url: str, name: str) -> float:
 
 
 def _core_pid(server_pid: int) -> int:
-    """The engine core: the server's spawned child (not multiprocessing's resource tracker)."""
+    """The engine core: the server's child (forked: the server's own command line; not multiprocessing's
+    resource tracker)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -179,7 +180,7 @@ def _core_pid(server_pid: int) -> int:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat.split(")")[-1].split()[1]) == server_pid and b"spawn_main" in cmdline:
+        if int(stat.split(")")[-1].split()[1]) == server_pid and b"resource_tracker" not in cmdline:
             return int(entry)
     raise AssertionError("no engine core process found")
 
@@ -230,3 +231,89 @@ def test_killing_the_core_fails_streams_at_once_and_the_server_exits_non_zero(ti
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+_FRONT_END = textwrap.dedent("""
+    import sys
+    from tokenloop.cli.main import build_parser
+    from tokenloop.cli.serve import _cluster_options
+    from tokenloop.cli.options import _engine_options
+    from tokenloop.config import build_engine_config
+    from tokenloop.core.core_launch import start_core_process
+    args = build_parser().parse_args(["serve"])
+    _cluster_options(args), build_engine_config(args.model, **_engine_options(args))
+    before_fork = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "fastapi"))
+    import tokenloop.serving.api, tokenloop.serving.async_engine, tokenloop.serving.core_client
+    import tokenloop.observe.metrics, tokenloop.observe.tracer
+    from tokenloop.model.loader import load_model_info
+    load_model_info(sys.argv[1])
+    print(before_fork, sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+""")
+
+
+def test_the_server_front_end_never_imports_torch(tiny_model_dir: Path) -> None:
+    """`tokenloop serve` forks its core with only the command line imported (the core imports torch, ~1.5 s,
+    while the front end imports the web framework), and the front end itself never needs torch."""
+    result = subprocess.run([sys.executable, "-c", _FRONT_END, str(tiny_model_dir)], capture_output=True, text=True,
+                            check=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.stdout.split() == ["[]", "[]"], result.stdout
+
+
+_FORKED = textwrap.dedent("""
+    import asyncio, json, sys
+    from tokenloop.config import build_engine_config
+    from tokenloop.core.core_launch import start_core_process
+    from tokenloop.request import SamplingParams
+    from tokenloop.serving.async_engine import AsyncEngine, RequestSpec
+    from tokenloop.serving.core_client import CoreProcessClient
+
+    async def run(engine):
+        specs = [RequestSpec(f"r{i}", [5 + i, 9, 17, 3], SamplingParams(max_tokens=8, temperature=0))
+                 for i in range(3)]
+        tokens = {s.request_id: [] for s in specs}
+        async for output in await engine.add_requests(specs):
+            for completion in output.outputs:
+                tokens[output.request_id] += completion.token_ids_delta
+        return tokens
+
+    if __name__ == "__main__":
+        config = build_engine_config(sys.argv[1], block_size=4, num_blocks=64)
+        results = {}
+        for method in ("fork", "spawn"):
+            started = start_core_process(config, start_method=method)
+            client = CoreProcessClient(config, started=started, wait=False)
+            engine = AsyncEngine.with_core_process(config, client=client)
+            results[method] = asyncio.run(run(engine))
+            engine.close()
+            results[method + " exit"] = client.process.exitcode
+        print(json.dumps(results))
+""")
+
+
+def test_a_forked_core_serves_what_a_spawned_one_does(tiny_model_dir: Path, tmp_path: Path) -> None:
+    script = tmp_path / "forked.py"
+    script.write_text(_FORKED)
+    result = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], capture_output=True, text=True,
+                            check=True, timeout=180, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    results = json.loads(result.stdout.splitlines()[-1])
+    assert results["fork"] == results["spawn"]
+    assert all(len(tokens) == 8 for tokens in results["fork"].values())
+    assert results["fork exit"] == 0 and results["spawn exit"] == 0
+
+
+def test_fork_falls_back_to_spawn_while_another_thread_runs(tiny_model_dir: Path) -> None:
+    from tokenloop.core.core_launch import start_core_process
+
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, daemon=True)
+    worker.start()
+    try:
+        started = start_core_process(build_engine_config(str(tiny_model_dir), **OPTIONS), start_method="fork")
+    finally:
+        stop.set()
+    client = CoreProcessClient(build_engine_config(str(tiny_model_dir), **OPTIONS), started=started)
+    try:
+        assert type(started.process).__name__ == "SpawnProcess"
+        assert client.info.pid == started.process.pid
+    finally:
+        client.close()

@@ -25,8 +25,9 @@ def test_keys_differ_by_each_field_and_name_this_machine() -> None:
     assert base.machine == this_machine() and "cores" in base.machine
     others = [CalibrationKey(base.machine + "!", "m", "auto", 16), CalibrationKey.here("m2"),
               CalibrationKey.here("m", "float32"), CalibrationKey.here("m", block_size=32),
-              CalibrationKey(base.machine, "m", "auto", 16, engine=base.engine + "!")]
-    assert len({k.filename() for k in [base, *others]}) == 6
+              CalibrationKey(base.machine, "m", "auto", 16, engine=base.engine + "!"),
+              CalibrationKey.here("m", kv_cache_dtype="bfloat16"), CalibrationKey.here("m", kv_cache_dtype="float32")]
+    assert len({k.filename() for k in [base, *others]}) == 8
 
 
 def test_the_engine_fingerprint_follows_the_step_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

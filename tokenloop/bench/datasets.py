@@ -18,6 +18,17 @@ from tokenloop.bench.trace import TraceConfig, TraceRequest, load_trace, sharegp
 if TYPE_CHECKING:
     from tokenloop.tokenizer import Tokenizer
 
+# Twenty short raw-text prompts (no chat template) for greedy agreement checks between number formats and
+# engines: the real-model agreement test and scripts/agreement_llama_cpp.py read the same list.
+AGREEMENT_PROMPTS = (
+    "The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
+    "Explain why the sky is blue.", "List three fruits:", "Once upon a time, in a small village,",
+    "The best way to learn a language is", "Translate to French: good morning", "What is 12 times 12?",
+    "A recipe for bread needs", "import numpy as np\n", "The meaning of life is",
+    "Summarise: The cat sat on the mat all day long.", "My favourite season is autumn because",
+    "Name the planets of the solar system.", "How do trains work?", "Dear Sir or Madam,",
+    "The quick brown fox", "Q: Who wrote Hamlet?\nA:", "Three tips for better sleep:",
+)
 DATASETS = ("random", "sharegpt", "prefix", "trace")
 
 

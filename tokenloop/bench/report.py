@@ -7,6 +7,7 @@ scripts, no fonts, no CDN), so it opens the same offline, in a mail attachment, 
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import math
 from dataclasses import dataclass, field
@@ -38,11 +39,12 @@ class Stat3:
     p99: float | None
 
     @classmethod
-    def of(cls, values_s: Sequence[float]) -> Stat3:
-        if not values_s:
+    def of(cls, values_s: Sequence[float] | np.ndarray) -> Stat3:
+        if len(values_s) == 0:
             return cls(None, None, None)
         ms = np.asarray(values_s, dtype=np.float64) * 1000.0
-        return cls(float(ms.mean()), float(np.percentile(ms, 50)), float(np.percentile(ms, 99)))
+        p50, p99 = np.percentile(ms, [50, 99])  # one partition for both
+        return cls(float(ms.mean()), float(p50), float(p99))
 
 
 @dataclass(frozen=True)
@@ -78,11 +80,13 @@ def summarize_group(records: Sequence[ReplayRecord], duration_s: float,
                     slos_ms: dict[str, float] | None) -> GroupSummary:
     done = [r for r in records if r.success]
     duration = duration_s if duration_s > 0 else float("nan")
-    values: dict[str, list[float]] = {
-        "ttft": [r.ttft_s for r in done if r.ttft_s is not None],
-        "queue_wait": [r.queue_wait_s for r in done if r.queue_wait_s is not None],
-        "itl": [gap for r in done for gap in r.itls_s],
-        "e2el": [r.e2el_s for r in done if r.e2el_s is not None],
+    values: dict[str, list[float] | np.ndarray] = {
+        "ttft": [v for r in done if (v := r.ttft_s) is not None],  # each property read once
+        "queue_wait": [v for r in done if (v := r.queue_wait_s) is not None],
+        # Every token gap of every request (8 M at 100k simulated requests): straight into one array.
+        "itl": np.fromiter(itertools.chain.from_iterable(r.itls_s for r in done), dtype=np.float64,
+                           count=sum(len(r.itls_s) for r in done)),
+        "e2el": [v for r in done if (v := r.e2el_s) is not None],
     }
     goodput = None
     if slos_ms:

@@ -9,7 +9,12 @@ import re
 import time
 from typing import Any
 
-from tokenloop.config import SCHEDULING_POLICIES, SPECULATIVE_METHODS, SpeculativeConfig
+from tokenloop.config import (
+    KV_CACHE_DTYPES,
+    SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
+    SpeculativeConfig,
+)
 from tokenloop.errors import ConfigError
 from tokenloop.model.loader import DEFAULT_MODEL
 
@@ -64,6 +69,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="projection weights (default: --dtype, or chosen by auto); bfloat16 halves the bytes "
                             "each step streams; quantized keeps a GGUF's Q4_0/Q4_1/Q8_0 blocks packed for the "
                             "CPU int4 / Q8_0 kernels (bf16 for large batches)")
+    group.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
+                       help="the KV cache's elements (default auto: bfloat16 under --dtype auto on the CPU, "
+                            "halving the bytes decode attention reads; else the activations' dtype); attention "
+                            "still sums in float32")
     spec = parser.add_argument_group("speculative decoding (n-gram prompt lookup; greedy requests only)")
     spec.add_argument("--speculative-method", choices=list(SPECULATIVE_METHODS),
                       help="turn speculative decoding on: ngram proposes drafts from the request's own tokens")
@@ -84,6 +93,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
                       ("num_kv_blocks", "num_blocks"), ("kv_cache_memory", "kv_cache_memory_bytes"),
                       ("block_size", "block_size"), ("max_model_len", "max_model_len"), ("seed", "seed"),
                       ("device", "device"), ("dtype", "dtype"), ("weight_dtype", "weight_dtype"),
+                      ("kv_cache_dtype", "kv_cache_dtype"),
                       ("max_waiting", "max_waiting")):
         value = getattr(args, name, None)
         if value is not None:

@@ -68,11 +68,11 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
 
 def _cluster_options(args: argparse.Namespace):  # noqa: ANN202 - ClusterOptions, imported lazily
     """The replica set to start, or None for one engine core (a bad cluster flag is an error either way)."""
-    from tokenloop.cluster.router import ROUTERS
+    from tokenloop.config import ROUTER_NAMES  # not the router itself: nothing starts before the core
     from tokenloop.errors import ConfigError
 
-    if args.router not in ROUTERS:
-        raise ConfigError(f"unknown router {args.router!r} (valid: {', '.join(ROUTERS)})")
+    if args.router not in ROUTER_NAMES:
+        raise ConfigError(f"unknown router {args.router!r} (valid: {', '.join(ROUTER_NAMES)})")
     if args.ray_address and args.cluster != "ray":
         raise ConfigError("--ray-address needs --cluster ray")
     if args.replicas == 1 and args.cluster == "local" and not args.prefill_replicas:
@@ -85,15 +85,16 @@ def _cluster_options(args: argparse.Namespace):  # noqa: ANN202 - ClusterOptions
 
 
 def _start_core_process(args: argparse.Namespace, name: str, limits: Any,  # noqa: ANN202 - AsyncEngine
-                        cluster: Any = None):
+                        cluster: Any = None, config: Any = None, started: Any = None):
     """The engine core in its own process (or N of them behind a router); this one keeps only the
-    tokenizer (and the records' observers)."""
-    from tokenloop.llm import build_engine_config
+    tokenizer (and the records' observers). `started`: the core's process, already started for `config`."""
+    from tokenloop.config import build_engine_config
     from tokenloop.observe.metrics import EngineMetrics
     from tokenloop.observe.tracer import Tracer
     from tokenloop.serving.async_engine import AsyncEngine
+    from tokenloop.serving.core_client import CoreProcessClient
 
-    config = build_engine_config(args.model, **_engine_options(args))
+    config = config if config is not None else build_engine_config(args.model, **_engine_options(args))
     tracer = None if args.no_trace else Tracer(sample_rate=args.trace_sample_rate)
     begin = time.perf_counter()
     if cluster is not None:
@@ -102,9 +103,12 @@ def _start_core_process(args: argparse.Namespace, name: str, limits: Any,  # noq
         logger.info("%d engine replicas (%s, router %s) ready in %.1f s", cluster.replicas, cluster.cluster,
                     cluster.router, time.perf_counter() - begin)
         return async_engine
-    async_engine = AsyncEngine.with_core_process(config, EngineMetrics(name), tracer=tracer,
+    client = None if started is None else CoreProcessClient(config, started=started, wait=False)
+    async_engine = AsyncEngine.with_core_process(config, EngineMetrics(name), tracer=tracer, client=client,
                                                  max_stream_backlog=limits.max_stream_backlog)
     info = async_engine.client.info
+    if started is not None:
+        begin = started.started_s
     logger.info("engine core (pid %d) ready in %.1f s: max_model_len=%d, %d KV blocks of %d tokens, "
                 "policy=%s; %s", info.pid, time.perf_counter() - begin, info.max_model_len, info.num_blocks,
                 info.block_size, config.scheduler.policy, info.dtype)
@@ -112,21 +116,31 @@ def _start_core_process(args: argparse.Namespace, name: str, limits: Any,  # noq
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tokenloop.serving.api import create_app
-    from tokenloop.serving.limits import resolve_api_key
-    from tokenloop.serving.server import serve_forever
-
-    api_key = resolve_api_key(args.api_key, args.api_key_file)
-    limits = _server_limits(args)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
-        logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
     name = args.served_model_name or args.model
     cluster = _cluster_options(args)  # validated here, before anything starts
     if args.engine_core == "thread" and cluster is not None:
         logger.error("--replicas, --cluster and --prefill-replicas need --engine-core process")
         return 2
+    config = started = None
+    if args.engine_core == "process" and cluster is None:
+        # The core starts first (forked: nothing but the command line is imported yet, nor any thread
+        # running); it imports the engine and loads the model while this process imports the server.
+        from tokenloop.config import build_engine_config
+        from tokenloop.core.core_launch import start_core_process
+
+        config = build_engine_config(args.model, **_engine_options(args))
+        started = start_core_process(config, start_method="fork")
+    from tokenloop.serving.api import create_app
+    from tokenloop.serving.limits import resolve_api_key
+    from tokenloop.serving.server import serve_forever
+
+    # A bad limit or key file ends this process, and with it a core already started (a daemon child).
+    api_key = resolve_api_key(args.api_key, args.api_key_file)
+    limits = _server_limits(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
     if args.engine_core == "process":
-        engine, async_engine = None, _start_core_process(args, name, limits, cluster)
+        engine, async_engine = None, _start_core_process(args, name, limits, cluster, config, started)
     else:
         engine, async_engine = load_engine(args), None
     app = create_app(engine, served_model_name=name, api_key=api_key, shutdown_timeout_s=args.shutdown_timeout,
@@ -153,7 +167,7 @@ _LIMIT_FLAGS = {
 
 
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
-    from tokenloop.serving.limits import ServerLimits
+    from tokenloop.config import ServerLimits
 
     defaults = ServerLimits()
     group = parser.add_argument_group("limits (each bounds what one client may ask)")
@@ -163,6 +177,6 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _server_limits(args: argparse.Namespace):  # noqa: ANN202 - ServerLimits, imported lazily
-    from tokenloop.serving.limits import ServerLimits
+    from tokenloop.config import ServerLimits
 
     return ServerLimits(**{field_name: getattr(args, field_name) for field_name, _, _ in _LIMIT_FLAGS.values()})

@@ -37,7 +37,7 @@ from tokenloop.bench.cli import (
     write_result_outputs,
 )
 from tokenloop.cli.options import positive_int
-from tokenloop.config import SCHEDULING_POLICIES
+from tokenloop.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES
 from tokenloop.model.loader import DEFAULT_MODEL
 
 ACTIONS = ("run", "profiles", "calibrate", "validate")
@@ -75,6 +75,9 @@ def add_simulate_subparser(subparsers: Any) -> argparse.ArgumentParser:
                                            "the profile must be for it")
     calibrate.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
                            help="the engine dtype calibrated (default: %(default)s)")
+    calibrate.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                           help="the KV cache's dtype calibrated (default: %(default)s; a profile of another "
+                                "KV dtype is never reused)")
     calibrate.add_argument("--batches", default="1,4,16", help="sweep batch sizes (default: %(default)s)")
     calibrate.add_argument("--contexts", default="32,256", help="sweep prompt lengths (default: %(default)s)")
     calibrate.add_argument("--decode-tokens", type=positive_int, default=12,
@@ -252,7 +255,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # ProfileError (a TokenloopError): main prints it, exit 2
-    profile = resolve_profile(args.profile, args.model, args.dtype, args.block_size, sweep)
+    profile = resolve_profile(args.profile, args.model, args.dtype, args.block_size, sweep, args.kv_cache_dtype)
     if args.max_requests:
         trace = trace[:args.max_requests]
     trace = _tokenized(trace, profile.model)
@@ -293,7 +296,7 @@ def _int_list(text: str, name: str) -> list[int]:
 def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[int], decode_tokens: int,
                         seed: int = 0, dtype: str = "auto", block_size: int | None = None,
                         mixed_batches: Sequence[int] = (), mixed_prompts: Sequence[int] = (),
-                        ) -> tuple[list[Any], list[float], Any]:
+                        kv_cache_dtype: str = "auto") -> tuple[list[Any], list[float], Any]:
     """Run the real engine over the sweep (prefix caching off); every step's record, its period (seconds
     from its start to the next step's, as a serving loop sees it) and the engine.
 
@@ -318,6 +321,7 @@ def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[i
     config = build_engine_config(model, enable_prefix_caching=False,
                                  max_num_seqs=max([*batches, *(b + 1 for b in mixed_batches)]),
                                  max_num_batched_tokens=max(512, longest), seed=seed, dtype=dtype,
+                                 kv_cache_dtype=kv_cache_dtype,
                                  **({"block_size": block_size} if block_size else {}))
     engine = LLMEngine(config, observers=[Keep()])
     rng = random.Random(seed)
@@ -405,8 +409,10 @@ class Sweep:
         if not isinstance(self.passes, int) or self.passes < 1:
             raise ValueError(f"--passes must be an int >= 1, got {self.passes!r}")
 
-    def command(self, model: str, dtype: str, block_size: int, out: str | None = None) -> str:
-        words = ["tokenloop", "simulate", "calibrate", "--model", model, "--dtype", dtype, "--block-size",
+    def command(self, model: str, dtype: str, block_size: int, out: str | None = None,
+                kv_cache_dtype: str = "auto") -> str:
+        kv = [] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype]
+        words = ["tokenloop", "simulate", "calibrate", "--model", model, "--dtype", dtype, *kv, "--block-size",
                  str(block_size), "--batches", ",".join(map(str, self.batches)), "--contexts",
                  ",".join(map(str, self.contexts)), "--decode-tokens", str(self.decode_tokens),
                  "--mixed-batches", ",".join(map(str, self.mixed_batches)) or "none",
@@ -437,7 +443,8 @@ def calibrate_profile(key: Any, sweep: Sweep, name: str, out: str | None = None)
         engine = None  # one engine's model and pool at a time
         records, periods, engine = calibration_records(key.model, sweep.batches, sweep.contexts,
                                                        sweep.decode_tokens, sweep.seed, key.dtype, key.block_size,
-                                                       sweep.mixed_batches, sweep.mixed_prompts)
+                                                       sweep.mixed_batches, sweep.mixed_prompts,
+                                                       key.kv_cache_dtype)
         # Each step's period (start to the next start): what a serving loop's ITL sees, output processing in.
         reports.append(fit(records, forms=weight_forms(engine.model), durations=periods))
         steps.extend(records)
@@ -445,7 +452,7 @@ def calibrate_profile(key: Any, sweep: Sweep, name: str, out: str | None = None)
     report = reports[chosen]
     document = fitted_profile(name, key.model, f"this machine ({key.machine}), {engine.dtype_choice.describe()}",
                               engine.max_model_len, engine.model.kv_bytes_per_block(1), engine.kv_cache.block_size,
-                              report, sweep.command(key.model, key.dtype, key.block_size, out),
+                              report, sweep.command(key.model, key.dtype, key.block_size, out, key.kv_cache_dtype),
                               time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     document["fit"] = {"num_steps": report.num_steps, "num_records": report.num_records,
                        "median_abs_rel_error": report.median_abs_rel_error, "mean_step_s": report.mean_step_s,
@@ -454,17 +461,20 @@ def calibrate_profile(key: Any, sweep: Sweep, name: str, out: str | None = None)
 
 
 def calibrated_profile(model: str | None, dtype: str = "auto", block_size: int | None = None,
-                       sweep: Sweep | None = None, *, recalibrate: bool = False, out: str | None = None) -> Any:
+                       sweep: Sweep | None = None, *, recalibrate: bool = False, out: str | None = None,
+                       kv_cache_dtype: str = "auto") -> Any:
     """This machine's calibrated profile of `model` from the cache; calibrated (and cached) if none exists."""
     from tokenloop.config import CacheConfig
     from tokenloop.sim import profiles
 
-    key = profiles.CalibrationKey.here(model or DEFAULT_MODEL, dtype, block_size or CacheConfig().block_size)
+    key = profiles.CalibrationKey.here(model or DEFAULT_MODEL, dtype, block_size or CacheConfig().block_size,
+                                       kv_cache_dtype)
     profile = None if recalibrate else profiles.cached_profile(key)
     if profile is not None:
         return profile
     sweep = sweep or Sweep()
-    print(f"calibrating {key.model} (dtype {key.dtype}, block size {key.block_size}) on {key.machine}: "
+    print(f"calibrating {key.model} (dtype {key.dtype}, KV cache {key.kv_cache_dtype}, block size "
+          f"{key.block_size}) on {key.machine}: "
           f"{len(sweep.batches) * len(sweep.contexts)} sweep points and {len(sweep.mixed_batches)} mixed "
           f"batches x {len(sweep.mixed_prompts)} arriving prompts, {sweep.passes} pass(es) ...", file=sys.stderr)
     began = time.perf_counter()
@@ -483,12 +493,12 @@ def calibrated_profile(model: str | None, dtype: str = "auto", block_size: int |
 
 
 def resolve_profile(name: str | None, model: str | None, dtype: str = "auto", block_size: int | None = None,
-                    sweep: Sweep | None = None) -> Any:
+                    sweep: Sweep | None = None, kv_cache_dtype: str = "auto") -> Any:
     """--profile if given (checked against --model when that is given too), else the calibrated one here."""
     from tokenloop.sim.profiles import check_profile_fits, load_profile
 
     if name is None:
-        return calibrated_profile(model, dtype, block_size, sweep)
+        return calibrated_profile(model, dtype, block_size, sweep, kv_cache_dtype=kv_cache_dtype)
     profile = load_profile(name)
     check_profile_fits(profile, model=model, block_size=block_size)
     return profile
@@ -510,7 +520,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    profile = calibrated_profile(args.model, args.dtype, args.block_size, sweep, recalibrate=True, out=args.out)
+    profile = calibrated_profile(args.model, args.dtype, args.block_size, sweep, recalibrate=True, out=args.out,
+                                 kv_cache_dtype=args.kv_cache_dtype)
     print(f"calibrated {profile.name}: {profile.cost_model.as_dict()}; cached at {profile.path}"
           + (f"; wrote {args.out}" if args.out else ""))
     return 0

@@ -87,6 +87,7 @@ class ValidateConfig:
     capacity_requests: int
     clock: str
     seed: int = 0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         unknown = [w for w in self.workloads if w not in WORKLOADS]
@@ -190,7 +191,8 @@ def _real_runner(config: ValidateConfig) -> tuple[Callable[[Sequence[Any], float
     def run(trace: Sequence[Any], time_scale: float, label: str) -> Any:
         # One warm-up engine per process: its one-time costs (allocator, kernel choice) are paid once.
         bench = PolicyBenchConfig(policies=("fcfs",), model=config.model,
-                                  engine_options={**config.engine_options, "dtype": config.dtype},
+                                  engine_options={**config.engine_options, "dtype": config.dtype,
+                                                  "kv_cache_dtype": config.kv_cache_dtype},
                                   clock=config.clock, time_scale=time_scale, progress=False, warmup=not warmed)
         warmed.append(True)
         replay = run_in_process(trace, bench, checkpoint)[0]
@@ -354,7 +356,7 @@ def run_validate(args: argparse.Namespace) -> int:
     try:
         options = {**DEFAULT_ENGINE, **replay_engine_options(args)}
         config = ValidateConfig(
-            model=model, dtype=args.dtype, engine_options=options,
+            model=model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, engine_options=options,
             workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
             loads=_parse_loads(args.loads), runs=args.runs, num_requests=args.num_requests,
             output_len=_parse_range(args.output_len), prompt_len_median=args.prompt_len_median,
@@ -364,7 +366,7 @@ def run_validate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    profile = resolve_profile(args.profile, model, args.dtype, args.block_size, sweep)
+    profile = resolve_profile(args.profile, model, args.dtype, args.block_size, sweep, args.kv_cache_dtype)
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)

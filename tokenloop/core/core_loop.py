@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokenloop.core.engine_core import EngineCore
 from tokenloop.core.messages import (
     AddRequests,
     CallResult,
@@ -26,6 +25,9 @@ from tokenloop.core.messages import (
 )
 from tokenloop.core.wire import error_to_wire
 from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepRecord
+
+if TYPE_CHECKING:  # the front end imports this module (RecordBuffer) without the engine
+    from tokenloop.core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,9 @@
 """The engine core's own process: a `CoreLoop` between two ZMQ sockets.
 
 The front end binds a PUSH socket (its messages in) and a PULL socket (frames out) on ipc:// paths in a
-private temp dir and starts `run_core_process` with the spawn start method (a forked child would inherit
-the server's threads and locks mid-state). The core builds its EngineCore, sends `CoreReady`, then:
+private temp dir and starts `run_core_process` with the spawn start method, or by fork while it still runs
+one thread (`tokenloop serve`, to skip importing torch again; with other threads the child would inherit
+their locks mid-state). The core builds its EngineCore, sends `CoreReady`, then:
 
     receive every pending message (without blocking while busy; polling while idle) -> apply them in order
     -> step when there is work -> send one `CoreFrame` (outputs, records, answers)
@@ -45,7 +46,9 @@ def run_core_process(config: EngineConfig, checkpoint: Checkpoint | None, input_
     """The engine process's main (the spawn target). Exit status 0 after a shutdown, 1 if building failed."""
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    # force: a forked core inherits the front end's handlers, and its lines must still say [core]
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s",
+                        force=True)
     sys.exit(run_core(config, checkpoint, input_address, output_address, lambda: _parent_gone(parent_pid)))
 
 

@@ -36,21 +36,14 @@ from tokenloop.model.loader import Checkpoint, load_checkpoint
 from tokenloop.observe.records import ArrivalRecord, ObserverSet, Observes
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
 from tokenloop.runner import ModelRunner, RunnerOutput
-from tokenloop.sampler import Sampler, TokenLogprobs
+from tokenloop.logprobs import TokenLogprobs
+from tokenloop.sampler import Sampler
 from tokenloop.structured.engine_hooks import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
 _FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
                   "abort": RequestStatus.FINISHED_ABORTED, "error": RequestStatus.FINISHED_ERROR}
-
-
-@dataclasses.dataclass(slots=True)
-class _Pending:
-    """What the current step has produced for one request so far (its CoreOutput in the making)."""
-
-    output: CoreOutput
-    request: Request
 
 
 class ModelStandIn(Protocol):
@@ -83,7 +76,7 @@ class EngineCore:
             self.vocab_size, self.eos_token_id = model_config.vocab_size, tokenizer.eos_token_id
             model_len = model_config.max_position_embeddings
             self.dtype_choice = resolve_dtype(config.dtype, config.weight_dtype, config.device,
-                                              checkpoint.is_quantized, CpuFeatures.detect())
+                                              checkpoint.is_quantized, CpuFeatures.detect(), config.kv_cache_dtype)
             logger.info("dtype: %s", self.dtype_choice.describe())
             self.model = build_model(model_config, checkpoint.weights, self.dtype_choice, config.device,
                                      min(config.max_model_len or model_len, model_len))
@@ -211,7 +204,7 @@ class EngineCore:
         schedule = self.scheduler.schedule()  # the KV stage inside: prefix hits, allocation, preemption
         self.runner.apply_block_diffs(schedule)
         schedule_end = clock()
-        pending: dict[str, _Pending] = {}
+        pending: dict[str, CoreOutput] = {}  # this step's output of each request so far
         failures: list[Failure] = []
         result: RunnerOutput | None = None
         if not schedule.is_empty:
@@ -253,9 +246,13 @@ class EngineCore:
             self._fail_request(request, stage, cause)
         for request in [*schedule.failed, *(f[0] for f in failures)]:  # they end now, alone
             self._touch(pending, request)
-        releases = release_infos(self.scheduler.take_releases())
-        outputs = [self._final_output(p.request, p.output) if p.request.is_finished
-                   else self._with_numbers(p.request, p.output) for p in pending.values()]
+        ended = self.scheduler.take_releases()
+        for request, _, _, _ in ended:  # every request this step ended was released: its output says how
+            output = pending.get(request.request_id)
+            if output is not None:
+                self._final_output(request, output)
+        releases = release_infos(ended)
+        outputs = list(pending.values())
         end = clock()
         record = None
         if self.observers and (not schedule.is_empty or schedule.preempted or releases):
@@ -335,7 +332,7 @@ class EngineCore:
         self.scheduler.finish_request(request.request_id, status)
 
     def _verify(self, items: list[ScheduledRequest], sampled: list[Sampled], failures: list[Failure], now: int,
-                pending: dict[str, _Pending]) -> tuple[list[Sampled], int]:
+                pending: dict[str, CoreOutput]) -> tuple[list[Sampled], int]:
         """A speculative step's update: per sampling row, the model's tokens after its real token and each
         draft; keep the drafts it agrees with plus its next token, appending them one by one with the stop
         checks, so a request stops exactly where plain decoding would. Returns the appended tokens and how
@@ -371,18 +368,16 @@ class EngineCore:
         return appended, total_accepted
 
     def _append(self, request: Request, token: int, logprobs: TokenLogprobs | None, now: int,
-                pending: dict[str, _Pending]) -> RequestStatus | None:
+                pending: dict[str, CoreOutput]) -> RequestStatus | None:
         """Append one token, stamp it, and run the core's stop checks in vLLM's order; the status it ends the
         request with, if any."""
         params = request.sampling_params
         request.append_output_token(token)
         request.times.record_token(now)
-        entry = pending.get(request.request_id)  # `_touch`, inline: this runs for every token of every step
-        if entry is None:
-            output = CoreOutput(request.request_id, [token])
-            pending[request.request_id] = _Pending(output, request)
+        output = pending.get(request.request_id)
+        if output is None:
+            output = pending[request.request_id] = self._new_output(request, [token])
         else:
-            output = entry.output
             output.new_token_ids.append(token)
         if params.logprobs is not None and logprobs is not None:
             if output.new_logprobs is None:
@@ -390,7 +385,7 @@ class EngineCore:
             output.new_logprobs.append(logprobs)
         if request.structured is not None:  # (a call per token saved for the unconstrained rest)
             self.structured.accept(request, token)  # raises if the grammar refuses it: fails this request only
-        num_output_tokens = request.num_output_tokens
+        num_output_tokens = len(request.output_token_ids)
         can_stop = num_output_tokens >= params.min_tokens
         status: RequestStatus | None = None
         if can_stop and not params.ignore_eos and token == request.eos_token_id:
@@ -401,15 +396,22 @@ class EngineCore:
             status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif num_output_tokens >= (params.max_tokens or self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
-        elif request.num_tokens >= self.max_model_len:
+        elif len(request.all_token_ids) >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         return status
 
-    def _touch(self, pending: dict[str, _Pending], request: Request) -> CoreOutput:
-        entry = pending.get(request.request_id)
-        if entry is None:
-            entry = pending[request.request_id] = _Pending(CoreOutput(request.request_id, []), request)
-        return entry.output
+    def _touch(self, pending: dict[str, CoreOutput], request: Request) -> CoreOutput:
+        output = pending.get(request.request_id)
+        if output is None:
+            output = pending[request.request_id] = self._new_output(request, [])
+        return output
+
+    @staticmethod
+    def _new_output(request: Request, token_ids: list[int]) -> CoreOutput:
+        # With the request's counters now: the update stage never changes them (scheduling does). Positional
+        # (no logprobs, no finish yet, then the counters): keywords cost twice the call here, once a row a step.
+        return CoreOutput(request.request_id, token_ids, None, None, None, None, None,
+                          request.times.first_scheduled, request.num_cached_tokens, request.num_preemptions)
 
     @staticmethod
     def _with_numbers(request: Request, output: CoreOutput) -> CoreOutput:
@@ -430,7 +432,7 @@ class EngineCore:
         self._requests.pop(request_id, None)
         self._prompt_logprobs_sent.pop(request_id, None)
 
-    def _record_prompt_logprobs(self, result: RunnerOutput, pending: dict[str, _Pending]) -> None:
+    def _record_prompt_logprobs(self, result: RunnerOutput, pending: dict[str, CoreOutput]) -> None:
         for piece in result.prompt_logits:
             request = self._requests.get(piece.request_id)
             if request is None:

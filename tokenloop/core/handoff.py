@@ -18,8 +18,6 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from tokenloop.core.kv_cache import KVBlock, KVCacheManager
 from tokenloop.core.scheduler import Scheduler
 from tokenloop.errors import CapacityError, InvalidRequestError
@@ -301,6 +299,8 @@ class HandoffStage:
         request.num_cached_tokens = state.num_cached_tokens
         request.num_preemptions = state.num_preemptions
         if state.generator_state is not None:
+            import torch  # here: the snapshot's types travel through the front end, which has no torch
+
             request.generator = torch.Generator()
             request.generator.set_state(torch.frombuffer(bytearray(state.generator_state), dtype=torch.uint8))
         grammar = self.structured.compile(state.params.structured_outputs)

@@ -15,7 +15,8 @@ import torch
 from tokenloop.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenloop.request import Request
 from tokenloop.runner import ModelRunner, RunnerOutput
-from tokenloop.sampler import Sampler, SamplingBatch, TokenLogprobs
+from tokenloop.logprobs import TokenLogprobs
+from tokenloop.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
 

@@ -448,15 +448,8 @@ class KVCacheManager:
             raise ValueError("num_computed_from_cache must cover exactly the computed blocks")
         request_id = request.request_id
         table = self._tables.get(request_id)
-        if table is not None and not computed_blocks:
-            # The common decode step: the tokens fit in the blocks held and fill none of them, so there
-            # is nothing to take, hash or publish.
-            total_tokens = request.num_computed_tokens + num_new_tokens
-            if (total_tokens <= len(table) * self.block_size and (
-                    not self.enable_caching
-                    or min(total_tokens, request.num_tokens) // self.block_size
-                    <= self._num_published[request_id])):
-                return []
+        if table is not None and not computed_blocks and self.fits_held(request, num_new_tokens):
+            return []
         if computed_blocks and (table or request.num_computed_tokens):
             raise ValueError(f"{request_id}: prefix hits can only seed an empty block table")
         total_tokens = request.num_computed_tokens + num_computed_from_cache + num_new_tokens
@@ -482,6 +475,19 @@ class KVCacheManager:
         if self.enable_caching:
             self._publish_full_blocks(request, table, min(total_tokens, request.num_tokens))
         return new_blocks
+
+    def fits_held(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether `allocate(request, num_new_tokens)` has nothing to do: the tokens fit in the blocks held
+        and fill none of them, so there is nothing to take, hash or publish (the common decode step)."""
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return False
+        total_tokens = request.num_computed_tokens + num_new_tokens
+        if total_tokens > len(table) * self.block_size:
+            return False
+        num_tokens = len(request.all_token_ids)
+        return (not self.enable_caching or (total_tokens if total_tokens < num_tokens else num_tokens)
+                // self.block_size <= self._num_published[request.request_id])
 
     def publish_computed(self, request: Request) -> None:
         """Publish the full blocks among the request's computed tokens not yet offered to the index (a

@@ -13,7 +13,7 @@ from typing import Any
 from tokenloop.core.kv_events import KVEventBatch
 from tokenloop.observe.records import ArrivalRecord, HandoffRecord, ReleaseInfo, StepRecord
 from tokenloop.request import SamplingParams
-from tokenloop.sampler import TokenLogprobs
+from tokenloop.logprobs import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tokenloop.core.kv_cache import BlockRelease, KVCacheManager
 from tokenloop.core.scheduler import Scheduler, SchedulerOutput
-from tokenloop.observe.records import ReleaseInfo, ScheduledChunk, StepGauges, StepRecord
+from tokenloop.observe.records import ReleaseInfo, StepGauges, StepRecord
 from tokenloop.request import Request
 from tokenloop.runner import RunnerOutput
 
@@ -38,11 +38,8 @@ def step_record(index: int, times: Sequence[int], schedule: SchedulerOutput, res
     """`times`: start, schedule end, execute end, sample end, end (engine-clock ns); `sampled`: the tokens
     appended (a speculative row's accepted drafts and next token included)."""
     start, schedule_end, execute_end, sample_end, end = times
-    # The request's fields read directly, not through properties: this runs for every row of every step.
-    chunks = [ScheduledChunk(item.request.request_id, item.num_computed_tokens, item.num_tokens,
-                             len(item.request.prompt_token_ids), item.samples, item.new_block_ids,
-                             item.num_reused_blocks, item.prefix_hit_tokens, item.admitted, item.num_blocks)
-              for item in schedule.scheduled]
+    # Each scheduled row's plain values are already a ScheduledChunk (ScheduledRequest.chunk).
+    chunks = [item.chunk for item in schedule.scheduled]
     return StepRecord(
         index, start, schedule_end, execute_end, sample_end, end, schedule.kv_ns,
         int(result.forward_seconds * 1e9) if result is not None else 0, sum(r.end_ns - r.start_ns for r in releases),

@@ -23,8 +23,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from tokenloop.config import SpeculativeConfig
-from tokenloop.request import Request
-from tokenloop.sampler import GREEDY_TEMPERATURE
+from tokenloop.request import GREEDY_TEMPERATURE, Request
 
 MAX_BACKOFF_STEPS = 16  # the longest a request waits to draft again after proposals rejected outright
 

@@ -44,7 +44,7 @@ from tokenloop.observe.records import (
     StepRecord,
 )
 from tokenloop.request import SamplingParams
-from tokenloop.sampler import TokenLogprobs
+from tokenloop.logprobs import TokenLogprobs
 from tokenloop.structured.spec import StructuredOutputsParams
 
 # The tag of each class is its index here: append only, both ends must agree.

@@ -156,10 +156,10 @@ def write_kv(
     key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store this step's K/V ([T, KVH, D]) at their slots."""
+    """Store this step's K/V ([T, KVH, D]) at their slots, in the cache's dtype (rounded for a bf16 cache)."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
 def paged_attention(
@@ -173,7 +173,8 @@ def paged_attention(
     kv_written: bool = False,
 ) -> torch.Tensor:
     """Write K/V (unless a fused kernel already has), then attend.
-    query [T, H, D], key/value [T, KVH, D] -> output [T, H, D]."""
+    query [T, H, D], key/value [T, KVH, D] -> output [T, H, D]. A cache in another dtype than the query
+    (bf16 K/V, fp32 activations) is widened as it is read; this step's own K/V are attended as cached."""
     if not kv_written:
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = query.shape
@@ -198,8 +199,10 @@ def paged_attention(
         context = max_blocks * meta.block_size
         # [Bd, max_blocks, bs, KVH, D] -> [Bd, KVH, S, D]; whole blocks are gathered, not single slots.
         block_ids = d.block_index.view(-1)  # index_select copies whole blocks; advanced indexing is ~10x slower
-        keys = key_cache.index_select(0, block_ids).view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
-        values = value_cache.index_select(0, block_ids).view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
+        keys = key_cache.index_select(0, block_ids).to(query.dtype)
+        values = value_cache.index_select(0, block_ids).to(query.dtype)
+        keys = keys.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
+        values = values.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
         # Heads sharing a KV head become that head's query rows: no K/V repeat for GQA.
         q = query.index_select(0, d.token_index).view(batch, num_kv_heads, group, head_dim)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=d.mask, scale=scale)
@@ -213,12 +216,12 @@ def paged_attention(
     flat_values = value_cache.view(-1, num_kv_heads, head_dim)
     for span in meta.prefills:
         q = query[span.token_start:span.token_end].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
-        if span.context_slots is None:
-            k = key[span.token_start:span.token_end]
-            v = value[span.token_start:span.token_end]
+        if span.context_slots is None:  # rounded as cached: the same values a later chunk will read
+            k = key[span.token_start:span.token_end].to(key_cache.dtype).to(query.dtype)
+            v = value[span.token_start:span.token_end].to(value_cache.dtype).to(query.dtype)
         else:
-            k = flat_keys.index_select(0, span.context_slots)
-            v = flat_values.index_select(0, span.context_slots)
+            k = flat_keys.index_select(0, span.context_slots).to(query.dtype)
+            v = flat_values.index_select(0, span.context_slots).to(query.dtype)
         k = k.transpose(0, 1).unsqueeze(0)
         v = v.transpose(0, 1).unsqueeze(0)
         attended = F.scaled_dot_product_attention(

@@ -1,12 +1,24 @@
 """Which number formats a model runs in: `dtype="auto"` resolved against the CPU and the checkpoint.
 
-`auto` keeps the residual stream, attention and the KV cache in float32 (the C++ decode kernel is fp32,
-and KV precision is what long contexts are sensitive to) and picks the projection weights' form:
+`auto` keeps the residual stream and attention's sums in float32 and picks the projection weights' form:
 
 - a quantized GGUF (Q4_0 / Q4_1 / Q4_K / Q8_0) on a CPU with AVX512-BF16 or AMX: the file's own blocks, packed
   for the int4 / Q8_0 kernels for small batches, plus a dense copy for large ones (`quantized`);
 - any other checkpoint on such a CPU: bf16 weights (half the bytes, native bf16 dot products);
-- otherwise float32: without native bf16 every bf16 / int4 GEMM converts in software (not measured here).
+- a quantized GGUF on a CPU without native bf16 (AVX2 only, e.g. AMD Zen 3): the packed forms for small
+  batches as above, but a float32 copy for large ones: measured on a 2-core Zen 3 (BENCHMARKS.md, issue 11,
+  "AVX2"), packed beats fp32 weights 2.4x at one row and 1.4x at eight, while a bf16 GEMM without native
+  bf16 is the slowest form above that (55 tok/s at 32 rows against fp32's 142; prefill 74 against 357);
+- any other checkpoint without native bf16: float32.
+
+The KV cache (`kv_cache_dtype`): `auto` stores K/V in bfloat16 on the CPU when `dtype` is `auto` (float32
+activations). Decode attention streams every cached K/V row each step (46 KB a token in fp32 for the default
+model: at 32 streams of ~200 tokens more bytes than the Q4 weights); bf16 halves them, and the kernel widens
+each row to fp32 as it loads it (a 16-bit shift: no bf16 arithmetic, so native bf16 is not needed), so the
+sums stay fp32. Measured on an AVX2-only EPYC (BENCHMARKS.md, issue 11, "A bfloat16 KV cache") and on an
+AVX-512 one (decode at 8 and 32 rows +40% and +26%; BENCHMARKS.md, "Side by side again on an AVX-512 machine"). Teacher-forced top-1
+agreement with the fp32 model stays >= 98% (tests/model/test_quantized_real_model.py). An explicit `dtype`
+(float32 for the HF parity tests) keeps the KV cache in that dtype; `float32` / `bfloat16` force it.
 
 On CUDA `auto` is bf16 throughout (activations, KV cache, weights): tensor cores run bf16 natively and the
 KV cache's bytes are what decode streams. A quantized GGUF is dequantized to bf16 there (no int4 GPU kernels).
@@ -15,6 +27,7 @@ KV cache's bytes are what decode streams. A quantized GGUF is dequantized to bf1
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,20 +72,48 @@ class CpuFeatures:
 
 @dataclass(frozen=True)
 class DtypeChoice:
-    """The resolved forms: `activations` (residual stream, attention, KV cache) and `weights`, the
-    projections' form: float32 / float16 / bfloat16 or `quantized` (packed int4 / Q8_0 + dense copy)."""
+    """The resolved forms: `activations` (residual stream, attention's sums), `weights`, the projections'
+    form: float32 / float16 / bfloat16 or `quantized` (packed int4 / Q8_0 + dense copy), and `kv_cache`,
+    the dtype K/V are stored in (`kv_reason` says why)."""
 
     activations: str
     weights: str
     reason: str
+    kv_cache: str = ""  # "": the activations' dtype
+    dense_copy: str = "bfloat16"  # with weights "quantized": the large-batch copy's dtype
+    kv_reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.kv_cache:
+            object.__setattr__(self, "kv_cache", self.activations)
 
     def describe(self) -> str:
-        return f"activations and KV cache {self.activations}, weights {self.weights} ({self.reason})"
+        if self.kv_cache == self.activations:
+            return f"activations and KV cache {self.activations}, weights {self.weights} ({self.reason})"
+        return (f"activations {self.activations}, KV cache {self.kv_cache} ({self.kv_reason}), "
+                f"weights {self.weights} ({self.reason})")
 
 
 def resolve_dtype(dtype: str, weight_dtype: str | None, device: str, quantized_checkpoint: bool,
-                  features: CpuFeatures) -> DtypeChoice:
-    """Resolve `EngineConfig.dtype` / `weight_dtype` (either may say auto / None) into concrete forms."""
+                  features: CpuFeatures, kv_cache_dtype: str = "auto") -> DtypeChoice:
+    """Resolve `EngineConfig.dtype` / `weight_dtype` / `kv_cache_dtype` (auto / None) into concrete forms."""
+    choice = _resolve_forms(dtype, weight_dtype, device, quantized_checkpoint, features)
+    on_cpu = torch.device(device).type == "cpu"
+    if kv_cache_dtype != "auto":
+        if not on_cpu and kv_cache_dtype != choice.activations:
+            raise ConfigError(f"kv_cache_dtype {kv_cache_dtype} differs from the activations' "
+                              f"{choice.activations} on {device}: only the CPU kernels read another KV dtype "
+                              "(use kv_cache_dtype auto there)")
+        return dataclasses.replace(choice, kv_cache=kv_cache_dtype, kv_reason="as configured")
+    if on_cpu and dtype == "auto" and choice.activations == "float32":
+        return dataclasses.replace(choice, kv_cache="bfloat16",
+                                   kv_reason="auto: half the bytes decode attention reads, fp32 sums")
+    return choice
+
+
+def _resolve_forms(dtype: str, weight_dtype: str | None, device: str, quantized_checkpoint: bool,
+                   features: CpuFeatures) -> DtypeChoice:
+    """Activations and weights (the KV cache follows the activations until `resolve_dtype` decides)."""
     on_cpu = torch.device(device).type == "cpu"
     if dtype != "auto":
         weights = weight_dtype or dtype
@@ -84,6 +125,10 @@ def resolve_dtype(dtype: str, weight_dtype: str | None, device: str, quantized_c
         return DtypeChoice("bfloat16", "bfloat16", f"auto on {device}: bf16 activations, KV cache and weights")
     if not on_cpu:
         return DtypeChoice("float32", "float32", f"auto on {device}: no CPU kernels to choose from")
+    if not features.native_bf16 and quantized_checkpoint:
+        return DtypeChoice("float32", "quantized",
+                           "auto: quantized GGUF on a CPU without AVX512-BF16 or AMX: packed int4 / Q8_0 for "
+                           "small batches, float32 for large ones", dense_copy="float32")
     if not features.native_bf16:
         return DtypeChoice("float32", "float32", "auto: this CPU has neither AVX512-BF16 nor AMX")
     if quantized_checkpoint:
@@ -127,7 +172,9 @@ def build_model(
     quantized = choice.weights == "quantized"
     model = LlamaModel.from_weights(
         config, weights, device=device, dtype=DTYPES[choice.activations], max_positions=max_positions,
-        weight_dtype=None if quantized else DTYPES[choice.weights], quantized=quantized)
+        weight_dtype=None if quantized else DTYPES[choice.weights], quantized=quantized,
+        dense_copy_dtype=DTYPES[choice.dense_copy],
+        kv_dtype=DTYPES[choice.kv_cache])
     _return_freed_memory()
     return model
 

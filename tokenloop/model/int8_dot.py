@@ -1,4 +1,5 @@
-"""Packed 4-bit and Q8_0 weights for our int8 dot-product kernels (csrc/int8_dot_matmul.cpp, AVX512-VNNI).
+"""Packed 4-bit and Q8_0 weights for our int8 dot-product kernels (csrc/int8_dot_matmul.cpp: AVX512-VNNI,
+or AVX2 with the same layouts and the same exact integer sums; the forms keep their `_vnni` names on both).
 
 The kernels quantize each call's activations per block of 32 values to two int8 codes per value and one float
 scale (x ~= dx q + (dx / 254) r, dx = max |x| / 127: ~15 bits per block; one code alone, as llama.cpp does,
@@ -22,6 +23,8 @@ import torch
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 
 if TYPE_CHECKING:  # quantized.py imports this module
+    import numpy as np
+
     from tokenloop.model.quantized import GGMLTensor
 
 GROUP_SIZE = 32  # ggml's block, and the activations' quantization block
@@ -31,7 +34,8 @@ _SLICE_TILES = 256  # the PyTorch path's columns at a time (x 16): bounds its [M
 
 
 def int8_dot_available() -> bool:
-    """Whether the compiled int8-dot kernels run natively (AVX512-VNNI) here: only then are they the fast form."""
+    """Whether the compiled int8-dot kernels run natively (AVX512-VNNI or AVX2) here: only then are they the fast
+    form (their plain loops are not)."""
     kernel = paged_decode_kernels()
     return kernel is not None and hasattr(kernel, "int8_dot_native") and bool(kernel.int8_dot_native())
 
@@ -93,22 +97,38 @@ class Int4DotWeight:
     def from_codes(cls, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Int4DotWeight:
         """codes [N, K] in 0..15, d and m [N, ceil(K / 32)]; N and K are padded with zero weights."""
         n, k = codes.shape
-        tiles, blocks = -(-n // TILE), -(-k // GROUP_SIZE)
-        padded = _pad_rows_and_blocks(codes.to(torch.uint8), tiles * TILE, blocks * GROUP_SIZE)
-        # [tile, lane, block, half, chunk, byte] -> [tile, block, chunk, lane, byte, half]: value k of a block sits
-        # in chunk (k % 16) / 4 at byte k % 4, in the low nibble for k < 16 and the high one above.
-        grouped = padded.view(tiles, TILE, blocks, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-        packed = (grouped[..., 0] | (grouped[..., 1] << 4)).reshape(tiles, blocks, GROUP_SIZE * TILE // 2)
+        blocks = -(-k // GROUP_SIZE)
+        grouped = _pad_rows_and_blocks(codes.to(torch.uint8), n, blocks * GROUP_SIZE).view(n, blocks, 2, 16)
+        return cls.from_nibbles(grouped[:, :, 0] | (grouped[:, :, 1] << 4), d, m, k)
+
+    @classmethod
+    def from_nibbles(cls, nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor, in_features: int
+                     ) -> Int4DotWeight:
+        """ggml's Q4 bytes [N, B, 16] uint8 (value j of a block in the low nibble of byte j, value j + 16 in
+        the high one), d and m [N, B], for `in_features` <= 32 B columns; N is padded with zero weights."""
+        n, blocks, _ = nibbles.shape
+        tiles = -(-n // TILE)
+        padded = torch.nn.functional.pad(nibbles, (0, 0, 0, 0, 0, tiles * TILE - n)) if tiles * TILE > n else nibbles
+        # [tile, lane, block, chunk, byte] -> [tile, block, chunk, lane, byte]: byte j of a block (values j and
+        # j + 16) sits in chunk j / 4 at byte j % 4, beside the same bytes of the tile's 15 other rows. A chunk's
+        # 4 bytes move together: permuted as one int32 (4x fewer elements to move).
+        words = padded.contiguous().view(torch.int32).view(tiles, TILE, blocks, 4)
+        packed = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(tiles, blocks, -1)
 
         def tiled(values: torch.Tensor) -> torch.Tensor:  # [N, B] -> [tiles, B, 16]
             return _pad_rows_and_blocks(values.float(), tiles * TILE, blocks).view(tiles, TILE, blocks).transpose(1, 2)
 
         scales = torch.stack([tiled(d), tiled(m)], dim=2).to(torch.float16).contiguous()
-        return cls(packed.contiguous(), scales, n, k)
+        return cls(packed.contiguous(), scales, n, in_features)
 
     @classmethod
-    def from_q4(cls, tensor: GGMLTensor) -> Int4DotWeight:
-        codes, d, m = tensor.q4_codes()
+    def from_q4(cls, tensor: GGMLTensor, q4_codes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+                ) -> Int4DotWeight:
+        if q4_codes is None and tensor.stores_nibble_pairs:
+            nibbles, d, m = tensor.q4_nibbles()  # already the layout's byte pairs: no unpacking
+            return cls.from_nibbles(torch.from_numpy(nibbles), torch.from_numpy(d), torch.from_numpy(m),
+                                    tensor.shape[1])
+        codes, d, m = q4_codes if q4_codes is not None else tensor.q4_codes()
         return cls.from_codes(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m))
 
     @classmethod
@@ -176,10 +196,12 @@ class Q8DotWeight:
         """codes [N, K] int8 (K a multiple of 32), scales [N, K / 32] (fp16 values) -> the tiled layout."""
         n, k = check_q8_codes(codes, scales)
         tiles, blocks = -(-n // TILE), k // GROUP_SIZE
-        unsigned = (codes.to(torch.int16) + 128).to(torch.uint8)
-        unsigned = torch.nn.functional.pad(unsigned, (0, 0, 0, tiles * TILE - n), value=128)  # code 0
-        # [tile, lane, block, chunk, byte] -> [tile, block, chunk, lane, byte]
-        packed = unsigned.view(tiles, TILE, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, -1)
+        unsigned = codes.view(torch.uint8) ^ 0x80  # q + 128: flipping the sign bit of the two's complement
+        if tiles * TILE > n:
+            unsigned = torch.nn.functional.pad(unsigned, (0, 0, 0, tiles * TILE - n), value=128)  # code 0
+        # [tile, lane, block, chunk, byte] -> [tile, block, chunk, lane, byte], a chunk's 4 bytes as one int32
+        words = unsigned.contiguous().view(torch.int32).view(tiles, TILE, blocks, 8)
+        packed = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(tiles, blocks, -1)
         tiled = _pad_rows_and_blocks(scales.float(), tiles * TILE, blocks).view(tiles, TILE, blocks).transpose(1, 2)
         return cls(packed.contiguous(), tiled.to(torch.float16).contiguous(), n)
 

@@ -9,6 +9,7 @@ matrix each, so a layer is a handful of large GEMMs and little Python.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -103,6 +104,18 @@ class LMHead:
         return dense_linear(hidden, self._packed)
 
 
+def zeroed_cpu_pool(num_elements: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat CPU tensor of zeros in anonymous memory: the kernel maps in a zeroed page the first time one is
+    written, so the pool costs nothing at startup (torch.zeros writes every page: 0.9-2.5 s for 1 GiB on
+    this VM, where first-touched memory is slow) and its pages become resident as blocks are first used.
+    The tensor keeps the mapping alive."""
+    if num_elements == 0:
+        return torch.zeros(0, dtype=dtype)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, num_elements * element_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                            dtype=dtype, count=num_elements)
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """The flat argument lists the C++ `decode_layers` takes, for the weight forms of one row count: per layer
@@ -165,6 +178,7 @@ class LlamaModel:
         inv_freq: torch.Tensor,
         max_positions: int,
         use_cpu_kernels: bool = True,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
         self.embed = embed
@@ -172,14 +186,16 @@ class LlamaModel:
         self.final_norm = final_norm
         self.lm_head = LMHead(lm_head)
         self.device = final_norm.device
-        self.dtype = final_norm.dtype  # activations and KV cache
+        self.dtype = final_norm.dtype  # activations
+        self.kv_dtype = kv_dtype or self.dtype  # the KV cache's elements (bf16 K/V are widened as attention reads)
         self.last_weight_form = self.weight_form(1)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        # Kernels that read K/V in place: C++ for decode on the CPU in float32, Triton on CUDA for decode and
-        # prefill; elsewhere (or with use_kernels off) the gather + SDPA reference does the work.
+        # Kernels that read K/V in place: C++ for decode on the CPU in float32 (fp32 or bf16 K/V), Triton on CUDA
+        # for decode and prefill; elsewhere (or with use_kernels off) the gather + SDPA reference does the work.
         self.decode_kernel: ModuleType | None = None
         self.prefill_kernel: ModuleType | None = None
-        if use_cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32:
+        if use_cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32 \
+                and self.kv_dtype in (torch.float32, torch.bfloat16):
             self.decode_kernel = paged_decode_kernels()
         elif use_cpu_kernels and self.device.type == "cuda":
             self.decode_kernel = self.prefill_kernel = triton_attention_kernels()
@@ -230,13 +246,16 @@ class LlamaModel:
         weight_dtype: torch.dtype | None = None,
         quantized: bool = False,
         thresholds: PackThresholds = PackThresholds(),
+        kv_dtype: torch.dtype | None = None,
+        dense_copy_dtype: torch.dtype = torch.bfloat16,
     ) -> LlamaModel:
         """Build from HF-named weights (`model.layers.0.self_attn.q_proj.weight`, ...).
 
-        `dtype` is the activations' and the KV cache's; `weight_dtype` (default: the same) is the
+        `dtype` is the activations' and (unless `kv_dtype` says otherwise) the KV cache's; `weight_dtype` (default: the same) is the
         projection matrices' (e.g. bf16 weights halve the bytes a decode step streams, while the
         residual stream, norms, attention and KV cache stay in `dtype`). With `quantized` (CPU only),
-        `GGMLTensor` projections run packed (int4 / Q8_0) for small batches and in bf16 for large ones.
+        `GGMLTensor` projections run packed (int4 / Q8_0) for small batches and in `dense_copy_dtype` (bf16 where
+        the CPU has native bf16 dot products, else fp32) for large ones.
         Weights are converted one tensor at a time: the whole model never exists in float32 unless asked.
         """
         matrix_dtype = weight_dtype or dtype
@@ -254,7 +273,7 @@ class LlamaModel:
             if quantized and all(isinstance(p, GGMLTensor) for p in parts):
                 joined = GGMLTensor.concat(parts)  # type: ignore[arg-type]
                 if joined is not None:
-                    return pack_linear(joined, thresholds)
+                    return pack_linear(joined, thresholds, dense_dtype=dense_copy_dtype)
             return torch.cat([take(n, as_dtype) for n in names], dim=0).contiguous()
 
         layers = []
@@ -296,7 +315,8 @@ class LlamaModel:
         inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
                                             weights.get("rope_freqs"))
         positions = max_positions or config.max_position_embeddings
-        return cls(config, embed, layers, take("model.norm.weight"), lm_head, inv_freq, positions, use_cpu_kernels)
+        return cls(config, embed, layers, take("model.norm.weight"), lm_head, inv_freq, positions, use_cpu_kernels,
+                   kv_dtype)
 
     def weight_form(self, rows: int) -> str:
         """The form the layers' projections run in for a step of `rows` tokens (int4, q8_0, bfloat16, ...)."""
@@ -306,13 +326,18 @@ class LlamaModel:
         return str(gate_up.dtype).removeprefix("torch.") if gate_up is not None else str(self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+        """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim], zeroed (a path that
+        gathers whole blocks reads slots not yet written; masked, they must still be finite)."""
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in self.layers]
+        if self.device.type != "cpu":
+            return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                     torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in self.layers]
+        pool = zeroed_cpu_pool(2 * len(self.layers) * math.prod(shape), self.kv_dtype)
+        caches = pool.view(len(self.layers), 2, *shape)
+        return [(caches[i, 0], caches[i, 1]) for i in range(len(self.layers))]
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * self.config.num_layers * block_size * self.config.num_kv_heads * self.config.head_dim * element
 
     def forward(

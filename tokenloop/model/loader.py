@@ -16,19 +16,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType
 
-from tokenloop.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from tokenloop.config import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from tokenloop.errors import ConfigError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from tokenloop.model.gguf_file import GGUFFile
-from tokenloop.model.quantized import GGMLTensor
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch and the packed forms are imported by the loaders that make tensors: naming a
+    # model or reading its config (the server's front end, the CLI) stays free of torch's ~1.5 s import
+    import torch
+
+    from tokenloop.model.quantized import GGMLTensor
     from tokenloop.tokenizer import Tokenizer
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
 
 @dataclass(frozen=True)
 class PackagedModel:
@@ -58,6 +57,8 @@ class Checkpoint:
     @property
     def is_quantized(self) -> bool:
         """Whether some weights are held in a quantized ggml encoding."""
+        from tokenloop.model.quantized import GGMLTensor
+
         return any(isinstance(w, GGMLTensor) and w.tensor_type not in _FLOAT_TYPES
                    for w in self.weights.values())
 
@@ -224,6 +225,9 @@ def _rope_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | N
 
 def _load_gguf(path: Path, keep_quantized: bool = False,
                ) -> tuple[ModelConfig, dict[str, torch.Tensor | GGMLTensor], Tokenizer]:
+    import torch
+
+    from tokenloop.model.quantized import GGMLTensor
     from tokenloop.tokenizer import Tokenizer
 
     gguf = GGUFFile(path)

@@ -15,9 +15,9 @@ Q/K permutation undone, Q/K/V and gate/up fused) work on the raw rows, so no flo
   embedding / LM head: one copy of the codes (the default model's: 28.3 MB of codes + 3.5 MB of scales).
 - anything else -> a dense bf16 matrix, dequantized one tensor at a time.
 
-Where the compiled kernels run AVX512-VNNI, Q4 and Q8_0 matrices are packed instead for our int8 dot-product
-kernels (`model/int8_dot.py`: the file's codes and fp16 scales, activations quantized per block of 32 at each
-call; fp32 in and out): fewer instructions per weight than either float kernel (BENCHMARKS.md).
+Where the compiled kernels run AVX512-VNNI or AVX2, Q4 and Q8_0 matrices are packed instead for our int8
+dot-product kernels (`model/int8_dot.py`: the file's codes and fp16 scales, activations quantized per block of
+32 at each call; fp32 in and out): fewer instructions per weight than either float kernel (BENCHMARKS.md).
 
 Small batches are bandwidth-bound and want the fewest bytes; large ones are compute-bound and run faster
 on dense bf16 (measured: BENCHMARKS.md), so a `PackedLinear` may also hold a bf16 copy and picks per call.
@@ -35,12 +35,13 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.cpu_kernels import avx512_native, paged_decode_kernels
 from tokenloop.model.int8_dot import Int4DotWeight, Q8DotWeight, check_q8_codes, int8_dot_available
 
 GROUP_SIZE = 32  # ggml's Q4/Q8 block length, and the int4 kernel's group size
 SUPER_BLOCK = 256  # the K-quants' super-block length
 INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
+Q4_BYTE_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)  # 16 bytes of nibble pairs a block
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,10 @@ class PackThresholds:
     """Most rows a call may have and still run the packed kernel when a bf16 copy exists.
 
     Measured on the 2-core AVX512-BF16 EPYC (BENCHMARKS.md): torch's int4 kernel beats bf16 up to ~16-24
-    rows, our int8-dot kernel up to ~32 (it ties bf16 there); `q8_max_rows` applies to Q8_0 layers with a bf16 copy (the fp32 LM head keeps no copy).
+    rows, our int8-dot kernel up to ~32 (it ties bf16 there); `q8_max_rows` applies to Q8_0 layers with a
+    bf16 copy (the fp32 LM head keeps no copy).
     `always_packed()` never uses the copy (tests, least memory). `int8_dot`: pack for our int8 dot-product
-    kernels where they run natively (AVX512-VNNI); off, torch's int4 kernel and our fp32 Q8_0 kernel.
+    kernels where they run natively (AVX512-VNNI or AVX2); off, torch's int4 kernel and our fp32 Q8_0 kernel.
     """
 
     int4_max_rows: int = 16
@@ -98,16 +100,26 @@ class GGMLTensor:
         blocks = np.concatenate([p.blocks for p in parts], axis=0)
         return GGMLTensor(first.tensor_type, (blocks.shape[0], first.shape[1]), blocks)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float values (ggml's reference dequantization), converted to `dtype`."""
+    def dequantize(self, dtype: torch.dtype = torch.float32,
+                   q4_codes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
+        """The float values (ggml's reference dequantization), converted to `dtype`; `q4_codes`: this tensor's
+        `q4_codes()`, when the caller has them already."""
         if self.tensor_type in INT4_TYPES + (QType.Q8_0,):  # torch is ~10x faster than gguf's numpy
+            rows, cols = self.shape
             if self.tensor_type == QType.Q8_0:
                 codes, d = self.q8_codes()
                 m = None
+                grouped = torch.from_numpy(codes).view(rows, -1, GROUP_SIZE).float()
+            elif (q4_codes is None and self.stores_nibble_pairs and paged_decode_kernels() is not None
+                  and dtype in (torch.float32, torch.bfloat16)):  # one C++ pass from the file's bytes, not five
+                nibbles, d, m = self.q4_nibbles()
+                out = torch.empty(self.shape, dtype=dtype)
+                paged_decode_kernels().q4_unpack(torch.from_numpy(nibbles), torch.from_numpy(d),
+                                                 torch.from_numpy(m), out)
+                return out
             else:
-                codes, d, m = self.q4_codes()
-            rows, cols = self.shape
-            grouped = torch.from_numpy(codes).view(rows, -1, GROUP_SIZE).float()
+                codes, d, m = q4_codes if q4_codes is not None else self.q4_codes()
+                grouped = torch.from_numpy(codes).view(rows, -1, GROUP_SIZE).float()
             grouped *= torch.from_numpy(d)[..., None]
             if m is not None:
                 grouped += torch.from_numpy(m)[..., None]
@@ -125,18 +137,29 @@ class GGMLTensor:
         (w = d * q + m)."""
         if self.tensor_type == QType.Q4_K:
             return self._q4_k_codes()
+        nibbles, d, m = self.q4_nibbles()
+        return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(self.shape), d, m
+
+    @property
+    def stores_nibble_pairs(self) -> bool:
+        """Q4_0 / Q4_1: 16 code bytes a block, each two 4-bit values (`q4_nibbles`)."""
+        return self.tensor_type in Q4_BYTE_TYPES
+
+    def q4_nibbles(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Q4_0 / Q4_1 as stored: each block's 16 code bytes [rows, cols / 32, 16] uint8 (a copy), ggml's
+        pairs of values j (low nibble) and j + 16 (high nibble), with d, m [rows, cols / 32] float32."""
+        if not self.stores_nibble_pairs:
+            raise ValueError(f"{self.tensor_type.name} does not store 4-bit codes in nibble pairs")
         rows, cols = self.shape
         header = 2 if self.tensor_type == QType.Q4_0 else 4
         block = self.blocks.reshape(rows, cols // GROUP_SIZE, header + GROUP_SIZE // 2)
         d = block[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = block[..., header:]
-        # ggml packs value j in the low nibble of byte j and value j + 16 in the high nibble.
-        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+        nibbles = np.ascontiguousarray(block[..., header:])
         if self.tensor_type == QType.Q4_0:
             m = -8.0 * d
         else:
             m = block[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        return codes, d, m
+        return nibbles, d, m
 
     def _q4_k_codes(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Q4_K's 144-byte super-blocks of 256 values: fp16 d and dmin, 12 bytes holding eight 6-bit scales and
@@ -201,8 +224,9 @@ class Int4Weight:
         return cls(packed, scales_zeros, n, k)
 
     @classmethod
-    def from_q4(cls, tensor: GGMLTensor) -> Int4Weight:
-        codes, d, m = tensor.q4_codes()
+    def from_q4(cls, tensor: GGMLTensor, q4_codes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+                ) -> Int4Weight:
+        codes, d, m = q4_codes if q4_codes is not None else tensor.q4_codes()
         return cls.from_codes(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m + 8.0 * d))
 
     @classmethod
@@ -363,9 +387,14 @@ def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = 
     """The fastest kept form of one projection: packed int4 / Q8_0 (+ a dense copy in `dense_dtype` for
     large batches), or the dense matrix alone where no packed kernel fits the encoding."""
     dot = thresholds.int8_dot and int8_dot_available()
+    q4_codes = None
     if isinstance(weight, GGMLTensor) and weight.tensor_type in INT4_TYPES:
+        # Unpacked once for the pack and the dense copy, where the pack needs them: the int8-dot pack takes
+        # Q4_0 / Q4_1 bytes as they are, and so does the dense copy's C++ unpack (a start's packing ~30% less).
+        if not (dot and weight.stores_nibble_pairs):
+            q4_codes = weight.q4_codes()
         packed: Int4Weight | Q8Weight | Int4DotWeight | Q8DotWeight = (
-            Int4DotWeight.from_q4(weight) if dot else Int4Weight.from_q4(weight))
+            Int4DotWeight.from_q4(weight, q4_codes) if dot else Int4Weight.from_q4(weight, q4_codes))
         max_rows = thresholds.int4_max_rows
     elif isinstance(weight, GGMLTensor) and weight.tensor_type == QType.Q8_0:
         packed = Q8DotWeight.from_q8(weight) if dot else Q8Weight.from_q8(weight)
@@ -373,10 +402,14 @@ def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = 
     else:
         return dense_weight(weight, dense_dtype)
     dense = None
+    if isinstance(packed, Q8Weight) and thresholds.keep_dense and not avx512_native():
+        # The tiled kernel's plain loops lose to oneDNN at every row count (AVX2: 32 vs 18 ms at one row):
+        # the copy runs every call; the codes stay for a tied embedding's lookup.
+        return PackedLinear(packed, prepack_dense(dense_weight(weight, dense_dtype)), 0)
     # No float32 copy of a Q8_0 matrix: the tiled kernel computes the same fp32 product at every row count
     # as fast as oneDNN's fp32 GEMM (BENCHMARKS.md), and the copy was 4x the codes (113 MB for the head).
     if thresholds.keep_dense and not (isinstance(packed, (Q8Weight, Q8DotWeight)) and dense_dtype == torch.float32):
-        dense = prepack_dense(dense_weight(weight, dense_dtype))
+        dense = prepack_dense(weight.dequantize(dense_dtype, q4_codes).contiguous())
     return PackedLinear(packed, dense, max_rows)
 
 

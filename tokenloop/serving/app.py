@@ -19,7 +19,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +28,6 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenloop import __version__
-from tokenloop.engine import LLMEngine
 from tokenloop.errors import TokenloopError
 from tokenloop.observe.metrics import CONTENT_TYPE, EngineMetrics
 from tokenloop.serving.async_engine import AsyncEngine
@@ -41,6 +40,9 @@ from tokenloop.serving.protocol import (ChatCompletionRequest, CompletionRequest
 from tokenloop.serving.admin_routes import make_admin_router
 from tokenloop.serving.trace_routes import make_trace_router
 from tokenloop.serving.validation import parse_json_object, validate_body
+
+if TYPE_CHECKING:  # an app over an engine core in another process never imports the engine (nor torch)
+    from tokenloop.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

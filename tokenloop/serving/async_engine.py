@@ -159,14 +159,21 @@ class AsyncEngine:
     def with_core_process(cls, config: EngineConfig, metrics: EngineMetrics | None = None, *,
                           checkpoint: Checkpoint | None = None, tracer: Observes | None = None,
                           observers: Sequence[Observes] = (), startup_timeout_s: float = 300.0,
-                          **options: Any) -> AsyncEngine:
-        """Start the engine core in its own process (returns once it is ready); this process loads only
-        the tokenizer and config (or uses `checkpoint`'s, which the core then gets pickled)."""
+                          client: CoreProcessClient | None = None, **options: Any) -> AsyncEngine:
+        """Start the engine core in its own process (or take `client`, one already started for `config`)
+        and return once it is ready; this process loads only the tokenizer and config (or uses
+        `checkpoint`'s, which the core then gets pickled), while the core loads the model."""
         from tokenloop.model.loader import load_model_info
 
-        tokenizer = (checkpoint.tokenizer if checkpoint is not None
-                     else load_model_info(config.model).tokenizer)
-        client = CoreProcessClient(config, checkpoint, startup_timeout_s=startup_timeout_s)
+        if client is None:
+            client = CoreProcessClient(config, checkpoint, startup_timeout_s=startup_timeout_s, wait=False)
+        try:
+            tokenizer = (checkpoint.tokenizer if checkpoint is not None
+                         else load_model_info(config.model).tokenizer)
+            _ = client.info  # the core is ready
+        except BaseException:
+            client.close(timeout_s=1.0)
+            raise
         if tracer is not None and hasattr(tracer, "bind"):
             tracer.bind(tokenizer, client.info.block_size, default_clock)
         return cls(None, metrics, client=client, config=config, tokenizer=tokenizer, tracer=tracer,

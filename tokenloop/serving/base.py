@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from tokenloop.engine import RequestOutput
+from tokenloop.outputs import RequestOutput
 from tokenloop.errors import EngineStoppedError, RequestFailedError
-from tokenloop.sampler import TokenLogprobs
+from tokenloop.logprobs import TokenLogprobs
 from tokenloop.serving.async_engine import AsyncEngine, RequestSpec, RequestStream
 from tokenloop.serving.errors import APIError, invalid
 from tokenloop.serving.limits import ServerLimits

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from tokenloop.errors import RequestFailedError
 from tokenloop.request import SamplingParams
-from tokenloop.sampler import TokenLogprobs
+from tokenloop.logprobs import TokenLogprobs
 from tokenloop.serving.async_engine import RequestSpec, RequestStream
 from tokenloop.serving.base import MIN_LOGPROB, ServingBase, _check_finish, _Prompt, _Submission
 from tokenloop.serving.errors import api_error, invalid

@@ -12,7 +12,6 @@ loop (`AsyncEngine`'s engine thread) drives either:
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import zmq
 
 from tokenloop.core import wire
+from tokenloop.core.core_launch import StartedCore, socket_addresses, start_core_process
 from tokenloop.core.core_loop import CoreLoop, RecordBuffer
 from tokenloop.core.messages import CoreFrame, CoreReady, InputMessage, Shutdown
 from tokenloop.errors import EngineStoppedError, ModelLoadError
@@ -112,15 +112,14 @@ class CoreSockets:
     0700): PUSH for its messages in, PULL for its frames out. Whoever hosts the core (a process, a Ray
     actor on this host) connects it to `input_address` and `output_address`."""
 
-    def __init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="tokenloop-core-")
+    def __init__(self, directory: str | None = None) -> None:
+        self._dir = directory if directory is not None else tempfile.mkdtemp(prefix="tokenloop-core-")
         self._context = zmq.Context()
         self.inputs = self._context.socket(zmq.PUSH)
         self.outputs = self._context.socket(zmq.PULL)
         self.inputs.setsockopt(zmq.LINGER, 0)
         self.outputs.setsockopt(zmq.LINGER, 0)
-        self.input_address = f"ipc://{self._dir}/input"
-        self.output_address = f"ipc://{self._dir}/output"
+        self.input_address, self.output_address = socket_addresses(self._dir)
         self.inputs.bind(self.input_address)
         self.outputs.bind(self.output_address)
 
@@ -182,30 +181,45 @@ class CoreSockets:
 
 
 class CoreProcessClient:
-    """Starts the engine core in its own process and talks to it over two ipc:// sockets.
+    """Starts the engine core in its own process (or takes `started`, one already started for `config`)
+    and talks to it over two ipc:// sockets.
 
     The constructor returns once the core is ready (or raises ModelLoadError with the core's reason, or
-    EngineStoppedError if it died or stayed silent for `startup_timeout_s`).
+    EngineStoppedError if it died or stayed silent for `startup_timeout_s`); with `wait=False` it returns
+    at once, and the first read of `info` waits instead, so the caller works while the core loads.
     """
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None, *,
-                 startup_timeout_s: float = 300.0, log_level: int | None = None) -> None:
-        from tokenloop.core.core_process import run_core_process
-
-        self._sockets = CoreSockets()
-        level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_core_process, name="tokenloop-engine-core", daemon=True,
-            args=(config, checkpoint, self._sockets.input_address, self._sockets.output_address, os.getpid(),
-                  level))
+                 startup_timeout_s: float = 300.0, log_level: int | None = None,
+                 started: StartedCore | None = None, wait: bool = True) -> None:
+        if started is None:
+            started = start_core_process(config, checkpoint, log_level=log_level)
+        self.process = started.process
+        self._startup_timeout_s = startup_timeout_s
+        self._info: CoreInfo | None = None
         self._closed = False
+        # Bound after the start, so that a forked child holds no ZMQ context of this process: its sockets
+        # connect whenever these exist (ZMQ retries) and queue what they send till then.
         try:
-            self.process.start()
-            self.info = self._sockets.wait_ready(startup_timeout_s, "the engine core process",
-                                                 self.process.sentinel, self.death)
+            self._sockets = CoreSockets(started.directory)
         except BaseException:
-            self.close(timeout_s=1.0)
+            self.process.kill()
+            shutil.rmtree(started.directory, ignore_errors=True)
             raise
+        if wait:
+            _ = self.info
+
+    @property
+    def info(self) -> CoreInfo:
+        """What the core announced when it became ready (waits for it the first time)."""
+        if self._info is None:
+            try:
+                self._info = self._sockets.wait_ready(self._startup_timeout_s, "the engine core process",
+                                                      self.process.sentinel, self.death)
+            except BaseException:
+                self.close(timeout_s=1.0)
+                raise
+        return self._info
 
     def send(self, messages: list[InputMessage]) -> None:
         self._sockets.send(messages)

@@ -16,10 +16,10 @@ import json
 import logging
 import os
 import secrets
-from dataclasses import dataclass
 from pathlib import Path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenloop.config import ServerLimits  # here too: the server's modules name it from here
 from tokenloop.errors import ConfigError
 from tokenloop.serving.errors import APIError, internal_error, invalid, new_incident_id
 
@@ -29,29 +29,6 @@ API_KEY_ENV = "TOKENLOOP_API_KEY"
 _PROTECTED_PREFIXES = ("/v1/", "/admin/")
 _PROTECTED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", "/admin"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """Bounds on what one client may ask of the server; each is a `tokenloop serve` flag."""
-
-    max_body_bytes: int = 8 * 1024 * 1024
-    header_read_timeout_s: float = 10.0
-    body_read_timeout_s: float = 30.0
-    max_concurrent_connections: int = 256
-    max_json_depth: int = 64
-    max_n: int = 128
-    max_stop_strings: int = 64
-    max_stop_string_chars: int = 1024
-    max_logit_bias_entries: int = 1024
-    max_stop_token_ids: int = 1024
-    max_cache_salt_chars: int = 1024  # the salt is hashed into every block of the prompt
-    max_stream_backlog: int = 4096  # undelivered outputs per response before its requests are aborted
-
-    def __post_init__(self) -> None:
-        for name, value in vars(self).items():
-            if not value > 0:
-                raise ConfigError(f"server limit {name} must be > 0, got {value}")
 
 
 def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None:

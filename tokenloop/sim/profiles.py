@@ -5,7 +5,8 @@ as a path. A profile's file says where each number came from (`source`, `sources
 
 Calibrated profiles of the machine a command runs on are cached under `$TOKENLOOP_CACHE_DIR/profiles/`
 (default `~/.cache/tokenloop/profiles/`), one file per `CalibrationKey`: the machine (CPU model and core
-count), the model, the dtype, the block size and the engine's step code, each of which changes step costs. `simulate calibrate`
+count), the model, the dtype, the KV cache's dtype, the block size and the engine's step code, each of which
+changes step costs (a bf16 KV cache reads half the bytes of an fp32 one). `simulate calibrate`
 writes the file; a cached profile whose recorded key is not the one asked for is refused, both named.
 """
 
@@ -155,18 +156,21 @@ def engine_fingerprint() -> str:
 
 @dataclass(frozen=True)
 class CalibrationKey:
-    """What a calibrated profile's step costs depend on: the machine, the model and its dtype and block size,
-    and the version of the engine's step code (`engine_fingerprint`)."""
+    """What a calibrated profile's step costs depend on: the machine, the model and its dtype, KV-cache dtype
+    (`kv_cache_dtype` as configured: with the machine and the engine's code it fixes the KV layout) and block
+    size, and the version of the engine's step code (`engine_fingerprint`)."""
 
     machine: str
     model: str
     dtype: str
     block_size: int
+    kv_cache_dtype: str = "auto"
     engine: str = field(default_factory=engine_fingerprint)
 
     @classmethod
-    def here(cls, model: str, dtype: str = "auto", block_size: int = 16) -> CalibrationKey:
-        return cls(this_machine(), model, dtype, block_size)
+    def here(cls, model: str, dtype: str = "auto", block_size: int = 16,
+             kv_cache_dtype: str = "auto") -> CalibrationKey:
+        return cls(this_machine(), model, dtype, block_size, kv_cache_dtype)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -177,7 +181,8 @@ class CalibrationKey:
             return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")[:40]
 
         digest = hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:10]
-        return (f"{slug(self.machine)}--{slug(Path(self.model).name or self.model)}--{self.dtype}--"
+        kv = "" if self.kv_cache_dtype == "auto" else f"kv-{self.kv_cache_dtype}--"
+        return (f"{slug(self.machine)}--{slug(Path(self.model).name or self.model)}--{self.dtype}--{kv}"
                 f"bs{self.block_size}--{digest}.json")
 
     def path(self) -> Path:

@@ -83,13 +83,14 @@ class SimulatedRunner:
         dictated: list[int] = []
         filler, eos = self.filler_token_id, self.eos_token_id
         for i, item in enumerate(output.scheduled):
-            q = item.num_tokens
-            context = item.num_computed_tokens + q
+            chunk = item.chunk  # its plain values, read without the row's properties
+            q = chunk.num_tokens
+            context = chunk.start + q
             tokens += q
             kv += context
             if q > 1:
                 attn += q * context
-            if item.samples:
+            if chunk.samples:
                 request = item.request
                 indices.append(i)
                 # The token sampled now is output number num_output_tokens + 1; the last one is EOS.

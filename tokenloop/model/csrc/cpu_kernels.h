@@ -3,7 +3,37 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
+
+// The instruction sets this build targets (its -march), space-separated: which fast paths its kernels
+// compiled in (the int8-dot kernels' VNNI or AVX2 blocks, the Q8_0 kernel's AVX-512 one). Python reads it
+// instead of the CPU's flags, since a build for another target (TOKENLOOP_KERNEL_MARCH) differs.
+inline std::string compiled_isa() {
+  std::string isa;
+#ifdef __AVX2__
+  isa += " avx2";
+#endif
+#ifdef __FMA__
+  isa += " fma";
+#endif
+#ifdef __F16C__
+  isa += " f16c";
+#endif
+#ifdef __AVX512F__
+  isa += " avx512f";
+#endif
+#ifdef __AVX512BW__
+  isa += " avx512bw";
+#endif
+#ifdef __AVX512VNNI__
+  isa += " avx512vnni";
+#endif
+#ifdef __AVX512BF16__
+  isa += " avx512bf16";
+#endif
+  return isa.empty() ? isa : isa.substr(1);
+}
 
 // paged_decode_attention.cpp
 void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
@@ -25,6 +55,8 @@ void silu_mul(const torch::Tensor& gate_up, torch::Tensor& out);
 void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
                    const torch::Tensor& sin, const torch::Tensor& slots, torch::Tensor& key_cache,
                    torch::Tensor& value_cache, torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out);
+// weight_unpack.cpp
+void q4_unpack(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, torch::Tensor& out);
 // decode_layers.cpp
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,

@@ -5,7 +5,7 @@
 // were ~150 dispatches a layer, ~5 ms of a ~12 ms step. Each function here is one of those chains:
 //   add_rms_norm   residual += delta; out = RMSNorm(residual), written straight in the next GEMM's dtype
 //   silu_mul       out = silu(gate) * up from the fused gate/up projection's output
-//   rope_write_kv  rotate Q and K, store K and V at their cache slots, hand back Q, K and V as float32
+//   rope_write_kv  rotate Q and K, store K and V at their cache slots (fp32 or bf16), hand back Q, K, V in fp32
 // Inputs may be float32 or bfloat16 (the packed int4 and bf16 GEMMs' output); sums are float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -69,9 +69,19 @@ inline void rotate(const In* x, const float* cos, const float* sin, int64_t half
   }
 }
 
-template <typename In>
+// One token's K or V row into the cache. A bf16 cache rounds (to nearest even, as torch's .to does) and the
+// float32 row handed back is rounded alike, so that attention over this step's own K/V sees the cached values.
+inline void store_row(float* row, int64_t n, float* cache) { std::copy(row, row + n, cache); }
+inline void store_row(float* row, int64_t n, BFloat16* cache) {
+  for (int64_t i = 0; i < n; ++i) {
+    cache[i] = static_cast<BFloat16>(row[i]);
+    row[i] = static_cast<float>(cache[i]);
+  }
+}
+
+template <typename In, typename KV>
 void rope_write_rows(const In* qkv, const int64_t* positions, const float* cos, const float* sin, const int64_t* slots,
-                     float* key_cache, float* value_cache, int64_t num_slots, float* q_out, float* k_out,
+                     KV* key_cache, KV* value_cache, int64_t num_slots, float* q_out, float* k_out,
                      float* v_out, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim) {
   const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim, kv_width = kv_heads * head_dim;
   at::parallel_for(0, tokens, grain_rows(width), [&](int64_t begin, int64_t end) {
@@ -87,8 +97,8 @@ void rope_write_rows(const In* qkv, const int64_t* positions, const float* cos, 
       for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * head_dim, c, s, half, k + h * head_dim);
       const In* v_in = row + (heads + kv_heads) * head_dim;
       for (int64_t i = 0; i < kv_width; ++i) v[i] = static_cast<float>(v_in[i]);
-      std::copy(k, k + kv_width, key_cache + slot * kv_width);
-      std::copy(v, v + kv_width, value_cache + slot * kv_width);
+      store_row(k, kv_width, key_cache + slot * kv_width);
+      store_row(v, kv_width, value_cache + slot * kv_width);
     }
   });
 }
@@ -141,14 +151,19 @@ void silu_mul(const torch::Tensor& gate_up, torch::Tensor& out) {
 }
 
 // qkv [T, (H + 2 KVH) * D] (float32 or bf16); positions, slots [T] int64; cos, sin [P, D/2] float32;
-// key_cache, value_cache [num_blocks, block_size, KVH, D] float32; q_out [T, H, D], k_out/v_out [T, KVH, D] float32.
+// key_cache, value_cache [num_blocks, block_size, KVH, D], both float32 or both bfloat16 (the KV cache's dtype);
+// q_out [T, H, D], k_out/v_out [T, KVH, D] float32 (K and V as cached: rounded to bf16 for a bf16 cache).
 void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
                    const torch::Tensor& sin, const torch::Tensor& slots, torch::Tensor& key_cache,
                    torch::Tensor& value_cache, torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out) {
   check_float_or_bf16(qkv, "rope_write_kv: qkv");
-  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&cos, &sin, &key_cache, &value_cache, &q_out, &k_out, &v_out}) {
+  for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&cos, &sin, &q_out, &k_out, &v_out}) {
     TORCH_CHECK(t->dtype() == torch::kFloat32 && t->is_contiguous(), "rope_write_kv: contiguous float32 expected");
   }
+  const bool bf16_cache = key_cache.dtype() == torch::kBFloat16;
+  TORCH_CHECK((bf16_cache || key_cache.dtype() == torch::kFloat32) && value_cache.dtype() == key_cache.dtype() &&
+                  key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "rope_write_kv: a contiguous float32 or bfloat16 KV cache expected");
   TORCH_CHECK(positions.dtype() == torch::kInt64 && slots.dtype() == torch::kInt64 && positions.is_contiguous() &&
                   slots.is_contiguous(), "rope_write_kv: int64 positions and slots expected");
   const int64_t tokens = qkv.size(0), heads = q_out.size(1), kv_heads = k_out.size(1), head_dim = q_out.size(2);
@@ -163,11 +178,15 @@ void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, con
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "rope_write_kv: position ", pos[t], " outside the rope table");
   }
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
-  auto run = [&](auto* rows) {
-    rope_write_rows(rows, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
-                    key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), num_slots, q_out.data_ptr<float>(),
-                    k_out.data_ptr<float>(), v_out.data_ptr<float>(), tokens, heads, kv_heads, head_dim);
+  auto run = [&](auto* rows, auto* keys, auto* values) {
+    rope_write_rows(rows, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), keys,
+                    values, num_slots, q_out.data_ptr<float>(), k_out.data_ptr<float>(), v_out.data_ptr<float>(),
+                    tokens, heads, kv_heads, head_dim);
   };
-  if (qkv.dtype() == torch::kBFloat16) run(qkv.data_ptr<BFloat16>());
-  else run(qkv.data_ptr<float>());
+  auto with_cache = [&](auto* rows) {
+    if (bf16_cache) run(rows, key_cache.data_ptr<BFloat16>(), value_cache.data_ptr<BFloat16>());
+    else run(rows, key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
+  };
+  if (qkv.dtype() == torch::kBFloat16) with_cache(qkv.data_ptr<BFloat16>());
+  else with_cache(qkv.data_ptr<float>());
 }

@@ -1,4 +1,5 @@
-// x @ W.T with int8 dot products (AVX512-VNNI `vpdpbusd`) for ggml's 4-bit and Q8_0 weights.
+// x @ W.T with int8 dot products for ggml's 4-bit and Q8_0 weights: AVX512-VNNI (`vpdpbusd`) or AVX2
+// (`vpmaddubsw` + `vpmaddwd`), the same layouts and the same exact int32 code sums on both.
 //
 // The float kernels spend more instructions turning codes into floats than multiplying: torch's int4 kernel
 // converts every nibble to a float and scales it before its FMA, and our fp32 Q8_0 kernel converts and scales
@@ -12,10 +13,11 @@
 // are the file's fp16 values. The only rounding beyond float32 sums is the activations' codes.
 //
 // Layout (packed once at load, `model/int8_dot.py`): N output columns in tiles of 16 (one zmm of int32
-// lanes), K in blocks of 32. Per tile and block, Q4: 256 bytes, 4 chunks of [16 lanes][4 k] bytes whose
-// low nibbles hold k = 4c..4c+3 and high nibbles k = 16+4c..16+4c+3; scales [2][16] fp16 (d, then m).
-// Q8_0: 512 bytes, 8 chunks of [16 lanes][4 k]; scales [16] fp16. A register block is up to 4 rows x up to
-// 4 tiles; each row's 4 codes of a chunk are broadcast from memory.
+// lanes, two ymm), K in blocks of 32. Per tile and block, Q4: 256 bytes, 4 chunks of [16 lanes][4 k] bytes
+// whose low nibbles hold k = 4c..4c+3 and high nibbles k = 16+4c..16+4c+3; scales [2][16] fp16 (d, then m).
+// Q8_0: 512 bytes, 8 chunks of [16 lanes][4 k]; scales [16] fp16. Each row's 4 codes of a chunk are
+// broadcast from memory. The AVX2 path's arithmetic, and why its int16 steps cannot saturate, is at its
+// blocks (q4_block / q8_block below).
 #include "cpu_kernels.h"
 
 #include <torch/extension.h>
@@ -31,6 +33,12 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TOKENLOOP_VNNI 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOKENLOOP_DOT_AVX2 1  // AVX2 CPUs (Zen 3, and AVX-512 ones without VNNI)
+#include <immintrin.h>
+#endif
+#if defined(TOKENLOOP_VNNI) || defined(TOKENLOOP_DOT_AVX2)
+#define TOKENLOOP_DOT_SIMD 1
 #endif
 
 namespace {
@@ -39,7 +47,6 @@ constexpr int64_t kGroup = 32;                       // ggml's block, and the ac
 constexpr int64_t kLanes = 16;                       // output columns per tile
 constexpr int64_t kQ4Bytes = kGroup * kLanes / 2;    // codes per tile and block
 constexpr int64_t kQ8Bytes = kGroup * kLanes;
-constexpr int kMaxRows = 4, kMaxTiles = 4;
 
 // The activations of one call, per block of 32 values (a ragged last block padded with zeros), as two int8
 // codes each: x ~= dx q + (dx / 254) r, with q = round(x / dx) and r the rounded remainder. One code alone
@@ -115,6 +122,67 @@ void quantize_full_block(const float* x, Block out) {
   out.offsets[0] = -128 * _mm512_reduce_add_epi32(sums[0]);
   out.offsets[1] = -128 * _mm512_reduce_add_epi32(sums[1]);
 }
+#elif defined(TOKENLOOP_DOT_AVX2)
+inline float horizontal_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+inline int32_t horizontal_sum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+// 32 int32 values in -127..127 (4 ymm, in order) -> 32 int8 codes. The packs work within 128-bit lanes, which
+// leaves the 4-byte groups in the order 0 4 1 5 2 6 3 7; the permute puts them back.
+inline void store_codes(const __m256i (&v)[4], int8_t* out) {
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, order));
+}
+
+// A full block in registers (the same codes as quantize_block; the float sum in another order).
+void quantize_full_block(const float* x, Block out) {
+  __m256 v[4];
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 amax_v = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax_v = _mm256_max_ps(amax_v, _mm256_and_ps(v[i], magnitude));
+    total = _mm256_add_ps(total, v[i]);
+  }
+  const float amax = horizontal_max(amax_v);
+  const float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 scale_v = _mm256_set1_ps(scale), inverse_v = _mm256_set1_ps(inverse);
+  const __m256 remainder_inverse = _mm256_set1_ps(inverse * kRemainderSteps);
+  const __m256i low = _mm256_set1_epi32(-127), high = _mm256_set1_epi32(127);
+  __m256i q[4], r[4];
+  __m256i sums[kPasses] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+  for (int i = 0; i < 4; ++i) {
+    // cvtps_epi32 rounds to nearest even, as nearbyint does
+    q[i] = _mm256_min_epi32(high, _mm256_max_epi32(low, _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse_v))));
+    const __m256 rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(q[i]), scale_v, v[i]);
+    r[i] = _mm256_min_epi32(high,
+                            _mm256_max_epi32(low, _mm256_cvtps_epi32(_mm256_mul_ps(rest, remainder_inverse))));
+    sums[0] = _mm256_add_epi32(sums[0], q[i]);
+    sums[1] = _mm256_add_epi32(sums[1], r[i]);
+  }
+  store_codes(q, out.codes);
+  store_codes(r, out.codes + kGroup);
+  out.scales[0] = scale;
+  out.scales[1] = scale / kRemainderSteps;
+  out.sum = horizontal_sum(total);
+  out.offsets[0] = -128 * horizontal_sum(sums[0]);
+  out.offsets[1] = -128 * horizontal_sum(sums[1]);
+}
 #endif
 
 Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_t groups) {
@@ -131,7 +199,7 @@ Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_
       const int64_t at = r * groups + g;
       const Block block{a.codes.data() + at * kPasses * kGroup, a.scales.data() + at * kPasses, a.sums[at],
                         a.offsets.data() + at * kPasses};
-#ifdef TOKENLOOP_VNNI
+#ifdef TOKENLOOP_DOT_SIMD
       if (valid == kGroup) {
         quantize_full_block(x + r * k + begin, block);
         continue;
@@ -146,7 +214,7 @@ Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_
 struct Weights {
   const uint8_t* codes;    // [tiles][groups][kQ4Bytes or kQ8Bytes]
   const uint16_t* scales;  // fp16 bits, [tiles][groups][2][16] (Q4) or [tiles][groups][16] (Q8_0)
-  int64_t tiles, n;
+  int64_t tiles, groups, n;
 };
 
 #ifdef TOKENLOOP_VNNI
@@ -284,6 +352,179 @@ void q8_block(const Activations& a, const Weights& w, int64_t row0, int64_t tile
   store_block<R, T>(acc, w.n, row0, tile0, out, ldo);
 }
 
+#elif defined(TOKENLOOP_DOT_AVX2)
+// AVX2 has no `vpdpbusd`: `vpmaddubsw` multiplies unsigned by signed bytes and adds each adjacent pair into
+// int16 with signed saturation; `vpmaddwd` then adds adjacent int16 pairs into int32 (each multiplied by an
+// int16 factor). A tile is two ymm of 8 lanes; a ymm of codes holds [8 lanes][4 k], so a lane's 4 products
+// of a chunk land in 2 int16 and then one int32, as `vpdpbusd` sums them. The int16 steps are exact:
+//   Q4: codes 0..15 x activation codes -127..127: a pair is at most 2 * 15 * 127 = 3810 in magnitude, and
+//       the 8 pairs per int16 of a block (4 chunks x low/high nibbles) sum to at most 30480 < 32767, so a
+//       block's products are summed in int16 before any widening.
+//   Q8_0: the stored code + 128 (0..255) x -127..127 could saturate (2 * 255 * 127 > 32767), so the signed
+//       code q = stored ^ 0x80 (-128..127) is split instead: |q| (0..128, unsigned) x sign(q) x (-127..127,
+//       negating a code of at most 127 never overflows): a pair is at most 2 * 128 * 127 = 32512 < 32767,
+//       and q = -128 is exact (|q| = 128 fits the unsigned byte). No -128 x sum(xq) correction is needed.
+// The two activation code sets are folded in int32 as 254 sum(q x) + sum(r x) by `vpmaddwd` with factors
+// 254 and 1 (the remainder's scale is dx / 254): one accumulator and one float FMA per lane and block. Its
+// magnitude stays below 2^31: Q4 255 * 32 * 15 * 127 < 2^24 (exact in float32 too), Q8_0 255 * 32 * 128 * 127
+// < 2^28.
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm256_set1_epi32(word);
+}
+
+inline __m256 half8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline const __m256i* code_vector(const Weights& w, int64_t tile, int64_t group, int64_t bytes, int chunk,
+                                  int half) {
+  return reinterpret_cast<const __m256i*>(w.codes + (tile * w.groups + group) * bytes + chunk * 64 + half * 32);
+}
+
+// Writes a register block's sums (H ymm halves of 8 columns): the last tile's columns past n are padding.
+template <int R, int H>
+inline void store_block(const __m256 (&acc)[R][H], int64_t n, int64_t row0, int64_t tile0, float* out,
+                        int64_t ldo) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+#pragma GCC unroll 8
+  for (int h = 0; h < H; ++h) {
+    const int64_t column = tile0 * kLanes + h * 8, valid = std::min<int64_t>(8, n - column);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(valid)), lane);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      float* at = out + (row0 + r) * ldo + column;
+      if (valid >= 8) _mm256_storeu_ps(at, acc[r][h]);
+      else _mm256_maskstore_ps(at, mask, acc[r][h]);
+    }
+  }
+}
+
+// acc += (254 dot_q + dot_r) x d dx / 254 for each row and half, from the int16 pair sums (Q4) or the folded
+// int32 sums (Q8_0) of one block.
+template <int R, int H>
+inline void apply_scales(const Activations& a, const __m256 (&d)[H], int64_t row0, int64_t g,
+                         const __m256i (&dot)[R][H], __m256 (&acc)[R][H]) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m256 dx = _mm256_set1_ps(a.scales[((row0 + r) * a.groups + g) * kPasses + 1]);  // dx / 254
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h)
+      acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d[h], dx), acc[r][h]);
+  }
+}
+
+// out[R rows from row0][T tiles from tile0] for 4-bit codes.
+template <int R, int T>
+void q4_block(const Activations& a, const Weights& w, int64_t row0, int64_t tile0, float* out, int64_t ldo) {
+  constexpr int H = 2 * T;
+  const int64_t groups = a.groups;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i fold[kPasses] = {_mm256_set1_epi16(static_cast<int16_t>(kRemainderSteps)), _mm256_set1_epi16(1)};
+  __m256 acc[R][H];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i pairs[kPasses][R][H];  // int16 sums of products, per pass (code set)
+#pragma GCC unroll 2
+    for (int p = 0; p < kPasses; ++p)
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+        for (int h = 0; h < H; ++h) pairs[p][r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+#pragma GCC unroll 8
+      for (int h = 0; h < H; ++h) {
+        const __m256i packed = _mm256_loadu_si256(code_vector(w, tile0 + h / 2, g, kQ4Bytes, c, h % 2));
+        const __m256i low = _mm256_and_si256(packed, nibble);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+          for (int p = 0; p < kPasses; ++p) {
+            const int8_t* xq = a.codes.data() + (((row0 + r) * groups + g) * kPasses + p) * kGroup;
+            const __m256i products = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(xq + 4 * c)),
+                                                      _mm256_maddubs_epi16(high, broadcast4(xq + 16 + 4 * c)));
+            pairs[p][r][h] = _mm256_add_epi16(pairs[p][r][h], products);
+          }
+        }
+      }
+    }
+    __m256i dot[R][H];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int h = 0; h < H; ++h)
+        dot[r][h] = _mm256_add_epi32(_mm256_madd_epi16(pairs[0][r][h], fold[0]),
+                                     _mm256_madd_epi16(pairs[1][r][h], fold[1]));
+    __m256 d[H], m[H];
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) {
+      const uint16_t* s = w.scales + ((tile0 + h / 2) * groups + g) * 2 * kLanes + (h % 2) * 8;
+      d[h] = half8(s);
+      m[h] = half8(s + kLanes);
+    }
+    apply_scales<R, H>(a, d, row0, g, dot, acc);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 sum = _mm256_set1_ps(a.sums[(row0 + r) * groups + g]);
+#pragma GCC unroll 8
+      for (int h = 0; h < H; ++h) acc[r][h] = _mm256_fmadd_ps(m[h], sum, acc[r][h]);
+    }
+  }
+  store_block<R, H>(acc, w.n, row0, tile0, out, ldo);
+}
+
+// The same for Q8_0 codes stored + 128.
+template <int R, int T>
+void q8_block(const Activations& a, const Weights& w, int64_t row0, int64_t tile0, float* out, int64_t ldo) {
+  constexpr int H = 2 * T;
+  const int64_t groups = a.groups;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i fold[kPasses] = {_mm256_set1_epi16(static_cast<int16_t>(kRemainderSteps)), _mm256_set1_epi16(1)};
+  __m256 acc[R][H];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dot[R][H];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int h = 0; h < H; ++h) dot[r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+#pragma GCC unroll 8
+      for (int h = 0; h < H; ++h) {
+        const __m256i stored = _mm256_loadu_si256(code_vector(w, tile0 + h / 2, g, kQ8Bytes, c, h % 2));
+        const __m256i q = _mm256_xor_si256(stored, flip);  // the file's signed code
+        const __m256i magnitude = _mm256_abs_epi8(q);  // -128 -> 0x80, read as the unsigned 128
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+          for (int p = 0; p < kPasses; ++p) {
+            const int8_t* xq = a.codes.data() + (((row0 + r) * groups + g) * kPasses + p) * kGroup;
+            const __m256i signed_x = _mm256_sign_epi8(broadcast4(xq + 4 * c), q);  // x sign(q); 0 where q = 0
+            const __m256i products = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), fold[p]);
+            dot[r][h] = _mm256_add_epi32(dot[r][h], products);
+          }
+        }
+      }
+    }
+    __m256 d[H];
+#pragma GCC unroll 8
+    for (int h = 0; h < H; ++h) d[h] = half8(w.scales + ((tile0 + h / 2) * groups + g) * kLanes + (h % 2) * 8);
+    apply_scales<R, H>(a, d, row0, g, dot, acc);
+  }
+  store_block<R, H>(acc, w.n, row0, tile0, out, ldo);
+}
+
 #else  // no VNNI: the same arithmetic in plain loops (exact int sums, then the same float steps)
 
 float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
@@ -327,7 +568,35 @@ void scalar_block(const Activations& a, const Weights& w, int64_t row0, int64_t 
 
 using BlockFn = void (*)(const Activations&, const Weights&, int64_t, int64_t, float*, int64_t);
 
-#ifdef TOKENLOOP_VNNI
+// Register blocking: rows per block, and tiles per block for one or two rows and for more. The tile block's
+// codes stay in L1 while every row block reads them.
+struct Blocking {
+  int rows, q4_tiles_few, q4_tiles_many, q8_tiles_few, q8_tiles_many;
+  int64_t tiles(bool q4, int64_t total_rows) const {
+    return total_rows <= 2 ? (q4 ? q4_tiles_few : q8_tiles_few) : (q4 ? q4_tiles_many : q8_tiles_many);
+  }
+};
+#if defined(TOKENLOOP_VNNI)
+// 32 zmm: R x T x 2 int32 dot accumulators (a code and a remainder code per value), R x T float sums, T (Q8_0)
+// or 2T (Q4) code vectors. One or two rows: 2 tiles (Q4) or 3 (Q8_0) keep more loads in flight; more rows
+// reuse each loaded chunk across 4 rows of 1 tile (Q4) or 2 (Q8_0).
+constexpr int kMaxRows = 4, kMaxTiles = 3;
+constexpr Blocking kBlocking{4, 2, 1, 3, 2};
+#elif defined(TOKENLOOP_DOT_AVX2)
+// 16 ymm: per row and 8-column half, 2 int16 pair sums (Q4) or one folded int32 sum (Q8_0) and a float sum,
+// besides two code vectors, the broadcast activations and constants: 2 rows x 1 tile fit (12-15 registers).
+// Measured with the x86-64-v3 build (one thread, an AVX-512 machine): 2 x 1 was the fastest, or within 3%,
+// at 1, 2, 8 and 32 rows on the layers and the head; 2 tiles a block lost 45-80% at 1-2 rows, 4 x 1 up to 28%.
+constexpr int kMaxRows = 2, kMaxTiles = 1;
+constexpr Blocking kBlocking{2, 1, 1, 1, 1};
+#else
+constexpr int kMaxRows = 4;
+constexpr Blocking kBlocking{4, 2, 1, 3, 2};
+#endif
+
+using BlockFn = void (*)(const Activations&, const Weights&, int64_t, int64_t, float*, int64_t);
+
+#ifdef TOKENLOOP_DOT_SIMD
 // One instantiation per row count 1..kMaxRows and tile count 1..kMaxTiles, so ragged blocks keep their
 // accumulators in registers.
 template <bool Q4, int T, int... R>
@@ -342,21 +611,17 @@ constexpr auto kQ4Blocks = block_table<true>(std::make_integer_sequence<int, kMa
 constexpr auto kQ8Blocks = block_table<false>(std::make_integer_sequence<int, kMaxTiles>{});
 #endif
 
-// Tiles in blocks across threads; rows in blocks of up to 4 within each (the tile block's codes stay in L1
-// while every row block reads them).
+// Tiles in blocks across threads; rows in blocks within each.
 template <bool Q4>
 void dot_matmul(const Activations& a, const Weights& w, float* out, int64_t ldo) {
-  // Register budget (32 zmm): R x T x 2 int32 dot accumulators (a code and a remainder code per value),
-  // R x T float sums, T (Q8_0) or 2T (Q4) code vectors. One or two rows: 2 tiles (Q4) or 3 (Q8_0) keep
-  // more loads in flight; more rows reuse each loaded chunk across 4 rows of 1 tile (Q4) or 2 (Q8_0).
-  const int64_t tiles_per_block = a.rows <= 2 ? (Q4 ? 2 : 3) : (Q4 ? 1 : 2);
+  const int64_t tiles_per_block = kBlocking.tiles(Q4, a.rows), rows_per_block = kBlocking.rows;
   const int64_t blocks = (w.tiles + tiles_per_block - 1) / tiles_per_block;
   at::parallel_for(0, blocks, std::max<int64_t>(1, 8 / tiles_per_block), [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t tile0 = b * tiles_per_block, tiles = std::min(tiles_per_block, w.tiles - tile0);
-      for (int64_t row0 = 0; row0 < a.rows; row0 += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(kMaxRows, a.rows - row0);
-#ifdef TOKENLOOP_VNNI
+      for (int64_t row0 = 0; row0 < a.rows; row0 += rows_per_block) {
+        const int64_t rows = std::min(rows_per_block, a.rows - row0);
+#ifdef TOKENLOOP_DOT_SIMD
         (Q4 ? kQ4Blocks : kQ8Blocks)[tiles - 1][rows - 1](a, w, row0, tile0, out, ldo);
 #else
         scalar_block<Q4>(a, w, row0, rows, tile0, tiles, out, ldo);
@@ -394,7 +659,7 @@ void run(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor
   if (rows == 0) return;
   const Activations a = quantize_activations(x.data_ptr<float>(), rows, x.size(1), codes.size(1));
   const Weights w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                  codes.size(0), out.size(1)};
+                  codes.size(0), codes.size(1), out.size(1)};
   dot_matmul<Q4>(a, w, out.data_ptr<float>(), out.size(1));
 }
 
@@ -417,7 +682,7 @@ void q8_0_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const t
 }
 
 bool int8_dot_native() {
-#ifdef TOKENLOOP_VNNI
+#ifdef TOKENLOOP_DOT_SIMD
   return true;
 #else
   return false;
