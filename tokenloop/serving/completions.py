@@ -63,10 +63,11 @@ class CompletionsServing(ServingBase):
                 ids = self.tokenizer.encode(prompt)
             else:
                 ids = list(prompt)
-                check_prompt_token_ids(ids, param, self.edge.vocab_size)
             if not ids:
                 raise invalid("the prompt is empty: at least one token is needed", param)
             check_context(len(ids), params.max_tokens, self.edge, param, "max_tokens")
+            if not isinstance(prompt, str):  # after the length: a million ids are refused without a scan
+                check_prompt_token_ids(ids, param, self.edge.vocab_size)
             token_ids.append(ids)
         return params, prompts, token_ids
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -117,7 +117,9 @@ class _SamplingFields(_Request):
         )
 
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+# Tried in order: under strict validation a value matches one member at most, and pydantic's default
+# ("smart") mode validates a million token ids against every member, ~10x the time, holding the GIL.
+PromptInput = Annotated[str | list[int] | list[str] | list[list[int]], Field(union_mode="left_to_right")]
 
 
 class CompletionRequest(_SamplingFields):
