@@ -58,7 +58,7 @@ class StepCosts:
 
 # Before anything is measured: `StepCosts.from_cost_model` of the shipped CPU profile (cpu-smollm2-135m),
 # rounded; a tracker in front of other hardware is seeded from its profile instead.
-DEFAULT_STEP_COSTS = StepCosts(step_s=0.0085, prefill_token_s=0.00093, decode_row_s=0.0082)
+DEFAULT_STEP_COSTS = StepCosts(step_s=0.0037, prefill_token_s=0.0007, decode_row_s=0.0018)
 
 
 class StepCostFit:
