@@ -214,7 +214,42 @@ def test_row_permutation_and_fusion_on_raw_blocks_are_exact() -> None:
     assert GGMLTensor.concat([a, _ggml(QType.Q8_0, 16, 64)[0]]) is None
 
 
-@pytest.mark.parametrize("tensor_type", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_1])
+@pytest.mark.parametrize("source", ["quantized", "random-bytes"])
+def test_q5_0_is_held_as_q8_0_bit_exact(source: str) -> None:
+    """Q5_0 (w = d (q - 16), q of 5 bits split over a nibble and a high-bit word) as Q8_0 blocks: ggml's values,
+    bit for bit; random bytes reach every code and high-bit pattern."""
+    rows, cols = 24, 96
+    if source == "quantized":
+        tensor, reference = _ggml(QType.Q5_0, rows, cols)
+    else:
+        blocks = np.random.default_rng(3).integers(0, 256, size=(rows, cols // 32, 22), dtype=np.uint8)
+        blocks[..., 0:2] = np.frombuffer(np.float16(0.0137).tobytes(), dtype=np.uint8)
+        tensor = GGMLTensor(QType.Q5_0, (rows, cols), blocks.reshape(rows, -1))
+        reference = dequantize(tensor.blocks, QType.Q5_0).reshape(rows, cols)
+    as_q8 = tensor.as_q8_0()
+    assert as_q8.tensor_type == QType.Q8_0 and as_q8.shape == tensor.shape
+    got = dequantize(as_q8.blocks, QType.Q8_0).reshape(rows, cols)
+    assert np.array_equal(got.view(np.uint32), reference.view(np.uint32))
+    codes, _ = as_q8.q8_codes()
+    assert codes.min() >= -16 and codes.max() <= 15
+
+
+def test_q5_0_and_q8_0_parts_fuse_as_q8_0_and_run_the_q8_kernels() -> None:
+    """llama-quantize's Q4_K_M of a model whose width is no multiple of 256 gives Q5_0 Q and K beside a Q8_0 V."""
+    q, ref_q = _ggml(QType.Q5_0, 32, 64, seed=1)
+    v, ref_v = _ggml(QType.Q8_0, 16, 64, seed=2)
+    joined = GGMLTensor.concat([q, v])
+    assert joined is not None and joined.tensor_type == QType.Q8_0
+    reference = torch.from_numpy(np.concatenate([ref_q, ref_v]))
+    assert torch.equal(joined.dequantize(), reference)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    for thresholds in (PackThresholds(), PackThresholds.always_packed()):
+        weight = pack_linear(q, thresholds, dense_dtype=torch.float32)
+        assert isinstance(weight, PackedLinear) and "q8" in weight.packed.form
+        torch.testing.assert_close(weight.packed.matmul(x), x @ torch.from_numpy(ref_q).t(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tensor_type", [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1])
 def test_kept_quantized_gguf_runs_close_to_its_dequantized_model(tiny_model_dir: Path, tmp_path: Path,
                                                                  tensor_type: QType) -> None:
     path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", tensor_type)

@@ -13,7 +13,10 @@ Q/K permutation undone, Q/K/V and gate/up fused) work on the raw rows, so no flo
   multiplies them in float32 at any batch size (torch's int8 weight-only kernel wants one scale per row
   and returns bf16: both cost greedy agreement). The same tiles serve the embedding lookup of a tied
   embedding / LM head: one copy of the codes (the default model's: 28.3 MB of codes + 3.5 MB of scales).
-- anything else -> a dense bf16 matrix, dequantized one tensor at a time.
+- Q5_0 -> Q8_0 blocks with the same values (its 5-bit q - 16 is an int8 code beside the same fp16 d), then as
+  Q8_0. llama-quantize's K-quant mixes fall back to Q5_0 / Q5_1 where a row is no multiple of 256 values
+  (SmolLM2's 576: most of its Q4_K_M is Q5_0).
+- anything else (Q5_1, Q6_K, Q5_K, Q2_K, Q3_K) -> a dense bf16 matrix, dequantized one tensor at a time.
 
 Where the compiled kernels run AVX512-VNNI or AVX2, Q4 and Q8_0 matrices are packed instead for our int8
 dot-product kernels (`model/int8_dot.py`: the file's codes and fp16 scales, activations quantized per block of
@@ -42,6 +45,7 @@ GROUP_SIZE = 32  # ggml's Q4/Q8 block length, and the int4 kernel's group size
 SUPER_BLOCK = 256  # the K-quants' super-block length
 INT4_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
 Q4_BYTE_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)  # 16 bytes of nibble pairs a block
+Q8_EXACT_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0)  # held exactly as Q8_0 (`as_q8_0`)
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,10 @@ class GGMLTensor:
 
     @staticmethod
     def concat(parts: list[GGMLTensor]) -> GGMLTensor | None:
-        """Rows of several same-typed, same-width tensors stacked; None when their encodings differ."""
+        """Rows of several same-width tensors stacked (Q5_0 and Q8_0 parts as Q8_0, exactly: llama-quantize's
+        mixes give a layer's V projection Q8_0 beside Q5_0 Q and K); None when their encodings differ."""
+        if len({p.tensor_type for p in parts}) > 1 and all(p.tensor_type in Q8_EXACT_TYPES for p in parts):
+            parts = [p.as_q8_0() for p in parts]
         first = parts[0]
         if any(p.tensor_type != first.tensor_type or p.shape[1] != first.shape[1] for p in parts):
             return None
@@ -181,6 +188,25 @@ class GGMLTensor:
         scale = (d[..., None] * sc).reshape(rows, cols // GROUP_SIZE)
         minimum = (dmin[..., None] * mn).reshape(rows, cols // GROUP_SIZE)
         return codes, scale, -minimum
+
+    def as_q8_0(self) -> GGMLTensor:
+        """This tensor as Q8_0 blocks holding the same values, for Q8_0 (itself) and Q5_0 (w = d (q - 16), q of
+        5 bits: the code q - 16 fits int8 beside the same fp16 d), so the Q8_0 kernels run it."""
+        if self.tensor_type == QType.Q8_0:
+            return self
+        if self.tensor_type != QType.Q5_0:
+            raise ValueError(f"{self.tensor_type.name} has no exact Q8_0 form")
+        rows, cols = self.shape
+        block = self.blocks.reshape(rows, cols // GROUP_SIZE, 22)  # fp16 d, 4 bytes of high bits, 16 of nibbles
+        high = block[..., 2:6].copy().view("<u4")  # bit j: the fifth bit of value j
+        bits = (high >> np.arange(GROUP_SIZE, dtype=np.uint32)) & 1
+        nibbles = block[..., 6:]
+        low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # values j and j + 16 share byte j
+        codes = (low | (bits.astype(np.uint8) << 4)).astype(np.int16) - 16
+        q8 = np.empty((rows, cols // GROUP_SIZE, 2 + GROUP_SIZE), dtype=np.uint8)
+        q8[..., 0:2] = block[..., 0:2]
+        q8[..., 2:] = codes.astype(np.int8).view(np.uint8)
+        return GGMLTensor(QType.Q8_0, self.shape, q8.reshape(rows, -1))
 
     def q8_codes(self) -> tuple[np.ndarray, np.ndarray]:
         """Q8_0: int8 codes [rows, cols] and d [rows, cols / 32] float32 (w = d * q)."""
@@ -396,7 +422,8 @@ def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = 
         packed: Int4Weight | Q8Weight | Int4DotWeight | Q8DotWeight = (
             Int4DotWeight.from_q4(weight, q4_codes) if dot else Int4Weight.from_q4(weight, q4_codes))
         max_rows = thresholds.int4_max_rows
-    elif isinstance(weight, GGMLTensor) and weight.tensor_type == QType.Q8_0:
+    elif isinstance(weight, GGMLTensor) and weight.tensor_type in Q8_EXACT_TYPES:
+        weight = weight.as_q8_0()
         packed = Q8DotWeight.from_q8(weight) if dot else Q8Weight.from_q8(weight)
         max_rows = thresholds.q8_max_rows
     else:
