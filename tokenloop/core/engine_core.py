@@ -178,7 +178,7 @@ class EngineCore:
             if request.status is RequestStatus.EXPORTING:
                 self.handoffs.drop(request_id)  # a late ack or nack finds no lease
             self.scheduler.finish_request(request_id, status)
-            finals.append(self._final_output(request, CoreOutput(request_id, [])))
+            finals.append(self._final_output(request, self._new_output(request, [])))
         releases = release_infos(self.scheduler.take_releases())
         if releases:
             self.observers.release(releases)
@@ -413,20 +413,13 @@ class EngineCore:
         return CoreOutput(request.request_id, token_ids, None, None, None, None, None,
                           request.times.first_scheduled, request.num_cached_tokens, request.num_preemptions)
 
-    @staticmethod
-    def _with_numbers(request: Request, output: CoreOutput) -> CoreOutput:
-        output.first_scheduled_ns = request.times.first_scheduled
-        output.num_cached_tokens = request.num_cached_tokens
-        output.num_preemptions = request.num_preemptions
-        return output
-
     def _final_output(self, request: Request, output: CoreOutput) -> CoreOutput:
         """Fill in how `request` ended; forget it."""
         output.finish_reason = request.finish_reason
         output.stop_reason = request.stop_reason
         output.error = request.error
         self._forget(request.request_id)
-        return self._with_numbers(request, output)
+        return output
 
     def _forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
