@@ -72,6 +72,11 @@ _TILE = 16  # the Q8_0 kernel's output columns per tile: one AVX-512 register of
 QType = GGMLQuantizationType
 
 
+def split_nibbles(packed: np.ndarray, axis: int = -1) -> np.ndarray:
+    """ggml's 4-bit pairs unpacked: each byte's low nibble, then (concatenated along `axis`) its high one."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=axis)
+
+
 @dataclass
 class GGMLTensor:
     """A 2-D weight in ggml encoding: `blocks` holds `rows` rows of `row_bytes` raw bytes."""
@@ -145,7 +150,7 @@ class GGMLTensor:
         if self.tensor_type == QType.Q4_K:
             return self._q4_k_codes()
         nibbles, d, m = self.q4_nibbles()
-        return np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(self.shape), d, m
+        return split_nibbles(nibbles).reshape(self.shape), d, m
 
     @property
     def stores_nibble_pairs(self) -> bool:
@@ -184,7 +189,7 @@ class GGMLTensor:
         mn = np.concatenate([high & 63, (extra >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
         # Each 32 bytes of codes hold two sub-blocks: the low nibbles the first, the high nibbles the next.
         qs = block[..., 16:].reshape(rows, cols // SUPER_BLOCK, 4, 1, GROUP_SIZE)
-        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+        codes = split_nibbles(qs, axis=3).reshape(rows, cols)
         scale = (d[..., None] * sc).reshape(rows, cols // GROUP_SIZE)
         minimum = (dmin[..., None] * mn).reshape(rows, cols // GROUP_SIZE)
         return codes, scale, -minimum
@@ -201,7 +206,7 @@ class GGMLTensor:
         high = block[..., 2:6].copy().view("<u4")  # bit j: the fifth bit of value j
         bits = (high >> np.arange(GROUP_SIZE, dtype=np.uint32)) & 1
         nibbles = block[..., 6:]
-        low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # values j and j + 16 share byte j
+        low = split_nibbles(nibbles)  # values j and j + 16 share byte j
         codes = (low | (bits.astype(np.uint8) << 4)).astype(np.int16) - 16
         q8 = np.empty((rows, cols // GROUP_SIZE, 2 + GROUP_SIZE), dtype=np.uint8)
         q8[..., 0:2] = block[..., 0:2]
