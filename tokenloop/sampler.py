@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenloop.errors import InvalidRequestError
-from tokenloop.logprobs import TokenLogprobs  # here too: its home before it had its own module
+from tokenloop.logprobs import TokenLogprobs
 from tokenloop.request import GREEDY_TEMPERATURE, Request, SamplingParams
 from tokenloop.sampling_ops import (
     _apply_penalties,

@@ -767,7 +767,7 @@ def _check_500_while_preparing_a_stream(live: LiveServer, caplog: pytest.LogCapt
 def strict(tiny_checkpoint: Checkpoint) -> Iterator[LiveServer]:
     """A server with 1 s header and body read timeouts, at most 8 connections, a 16-output stream backlog."""
     try:
-        from tokenloop.serving.limits import ServerLimits
+        from tokenloop.config import ServerLimits
 
         limits = ServerLimits(header_read_timeout_s=1.0, body_read_timeout_s=1.0,
                               max_concurrent_connections=8,

@@ -28,13 +28,14 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenloop import __version__
+from tokenloop.config import ServerLimits
 from tokenloop.errors import TokenloopError
 from tokenloop.observe.metrics import CONTENT_TYPE, EngineMetrics
 from tokenloop.serving.async_engine import AsyncEngine
 from tokenloop.serving.chat import ChatServing
 from tokenloop.serving.completions import CompletionsServing
 from tokenloop.serving.errors import APIError, api_error, internal_error, new_incident_id, validation_error
-from tokenloop.serving.limits import EdgeGuard, ServerLimits
+from tokenloop.serving.limits import EdgeGuard
 from tokenloop.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         VersionResponse)
 from tokenloop.serving.admin_routes import make_admin_router

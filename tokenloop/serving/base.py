@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from tokenloop.outputs import RequestOutput
+from tokenloop.config import ServerLimits
 from tokenloop.errors import EngineStoppedError, RequestFailedError
 from tokenloop.logprobs import TokenLogprobs
+from tokenloop.outputs import RequestOutput
 from tokenloop.serving.async_engine import AsyncEngine, RequestSpec, RequestStream
 from tokenloop.serving.errors import APIError, invalid
-from tokenloop.serving.limits import ServerLimits
 from tokenloop.serving.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                         PromptTokensDetails, TokenizeChatRequest, TokenizeCompletionRequest,
                                         TokenizeResponse, UsageInfo, now_s)

@@ -19,7 +19,7 @@ import secrets
 from pathlib import Path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenloop.config import ServerLimits  # here too: the server's modules name it from here
+from tokenloop.config import ServerLimits
 from tokenloop.errors import ConfigError
 from tokenloop.serving.errors import APIError, internal_error, invalid, new_incident_id
 

@@ -22,8 +22,8 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tokenloop.config import ServerLimits
 from tokenloop.heap import settle_startup_heap
-from tokenloop.serving.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
 

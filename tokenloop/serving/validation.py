@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from tokenloop.config import ServerLimits
 from tokenloop.serving.errors import invalid, json_type_name, validation_error
-from tokenloop.serving.limits import ServerLimits
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
