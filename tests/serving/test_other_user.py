@@ -36,11 +36,12 @@ from tests.serving.hostile_util import (
 from tokenloop.model.loader import Checkpoint
 
 HEALTH_BOUND_S = 0.100  # the issue: /health answers within 100 ms while a 2 MB prompt is tokenized
-# ... every probe but the slowest, which gets this. On 2 cores the engine's torch threads preempt the
-# server's Python threads, and a GIL hold that cannot be split (json.loads or pydantic over a body of 100k
-# messages, ~40 ms each) then stretches: single probes of 115-123 ms in 3 of 7 local runs, the rest <= 79 ms.
-# The stalls the issue was about (2.6 s, 33 s) fail either bound.
-HEALTH_SLOWEST_BOUND_S = 0.300
+# Rounds of an attack the latency bound may take. On 2 cores the engine's torch threads preempt the server's
+# Python threads, and a GIL hold that cannot be split (json.loads or pydantic over 100k messages, ~40 ms) then
+# stretches: single probes of 103-152 ms came in ~6% of attack rounds here and in one full CI run, with no
+# hold over ~35 ms on those paths (measured apart). A stall in the server recurs in every round; that noise
+# does not.
+HEALTH_ROUNDS = 3
 # The victim's longest wait between two chunks (alone: ~0.05-0.1 s here). Generous for a shared 2-core
 # machine; one request that stalls the engine thread for a second (e.g. hashing megabytes of cache_salt
 # per block) is what it catches.
@@ -252,23 +253,29 @@ ATTACKS = [
 
 
 def probe_health_while(url: str, busy: threading.Thread) -> list[float]:
-    """`/health` latencies, one probe every 20 ms, for as long as `busy` runs (at least one probe)."""
+    """`/health` latencies, one probe every 20 ms, for as long as `busy` runs (at least one probe).
+
+    Each counts from when the probe was due, not from when its thread got to send it: the server shares this
+    process's GIL, so a stall that holds the GIL holds this thread too, and timed from the send it would not
+    show (it did not: a 0.2 s hold in /tokenize went unseen)."""
     latencies = []
     with httpx.Client(base_url=url, timeout=10.0) as client:
         client.get("/health")  # the connection is open before we measure
+        due = time.perf_counter()
         while True:
-            begin = time.perf_counter()
             r = client.get("/health")
-            latencies.append(time.perf_counter() - begin)
+            latencies.append(time.perf_counter() - due)
             assert r.status_code == 200, r.text
             if not busy.is_alive():
                 break
+            due = time.perf_counter() + 0.02
             time.sleep(0.02)
     return latencies
 
 
-@pytest.mark.parametrize("attack", ATTACKS, ids=[f"c{a.cls}-{a.id}" for a in ATTACKS])
-def test_victim_unharmed(live: LiveServer, references: dict[int, Reference], attack: Attack) -> None:
+def attack_beside_a_victim(live: LiveServer, references: dict[int, Reference], attack: Attack) -> list[float]:
+    """One round: a victim streams while `attack` is sent; every check on the answers and on the victim, and
+    the /health latencies measured meanwhile (none unless the attack probes them)."""
     content = dumps(attack.body)  # encoded before the clock starts: the client's own work is not measured
     victim = Victim(live, attack.victim_tokens).start()
     assert live.on_engine(lambda e: e.has_unfinished_requests()), "the victim finished before the attack"
@@ -298,14 +305,29 @@ def test_victim_unharmed(live: LiveServer, references: dict[int, Reference], att
         assert_error(response, attack.status, param=attack.param)
     assert result["elapsed"] < attack.max_s, f"the attack took {result['elapsed']:.2f} s to answer"
     assert_victim_unharmed(run, references[attack.victim_tokens], attack.id)
-    if latencies:
-        ranked = sorted(latencies)
-        worst, next_worst = ranked[-1], (ranked[-2] if len(ranked) > 1 else 0.0)
-        summary = f"({len(ranked)} probes, median {ranked[len(ranked) // 2] * 1000:.0f} ms)"
-        assert next_worst < HEALTH_BOUND_S, (
-            f"/health took {next_worst * 1000:.0f} ms (and {worst * 1000:.0f} ms) during the attack {summary}")
-        assert worst < HEALTH_SLOWEST_BOUND_S, f"/health took {worst * 1000:.0f} ms during the attack {summary}"
     engine_quiet(live)
+    return latencies
+
+
+def health_problem(latencies: list[float]) -> str | None:
+    """Why these /health latencies break the bound, or None."""
+    ranked = sorted(latencies)
+    if ranked[-1] < HEALTH_BOUND_S:
+        return None
+    return (f"/health took {ranked[-1] * 1000:.0f} ms during the attack ({len(ranked)} probes, median "
+            f"{ranked[len(ranked) // 2] * 1000:.0f} ms)")
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=[f"c{a.cls}-{a.id}" for a in ATTACKS])
+def test_victim_unharmed(live: LiveServer, references: dict[int, Reference], attack: Attack) -> None:
+    problems = []
+    for _ in range(HEALTH_ROUNDS):  # every round passes every other check; the latency bound needs one round
+        latencies = attack_beside_a_victim(live, references, attack)
+        problem = health_problem(latencies) if latencies else None
+        if problem is None:
+            return
+        problems.append(problem)
+    pytest.fail(f"in each of {HEALTH_ROUNDS} rounds: " + "; ".join(problems))
 
 
 def test_stalled_reader_does_not_hurt_the_victim(live: LiveServer, references: dict[int, Reference]) -> None:
