@@ -32,18 +32,21 @@ def test_killing_a_ray_replica_mid_stream(tiny: Checkpoint, failover: str) -> No
                                            checkpoint=tiny, startup_timeout_s=120)
         replica_set = engine.client
         assert isinstance(replica_set, ReplicaSet)
-        # Long enough that ray.kill lands mid-stream: at 40 tokens the tiny model's replica could finish its
-        # last ~30 steps before the kill reached it, and the "fail" request ended with "length" (seen in CI).
+        # ray.kill must land mid-stream: at 40 tokens the tiny model's replica could finish its last ~30 steps
+        # before the kill reached it, and the "fail" request ended with "length" (seen in CI). Slowed steps
+        # make its remaining 288 take >= 5.7 s on any machine; the survivors run at full speed again after.
         max_tokens = 300
         prompts = [TINY_PROMPTS[0], TINY_PROMPTS[2]]
         expected = _reference(tiny, prompts, max_tokens)
         greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, output_kind="delta")
 
         async def main() -> list[Any]:
+            await engine.utility("inject_step_delay", 0.02)  # every replica
             tasks = [asyncio.create_task(_collect_ended(engine, f"r{i}", p, greedy)) for i, p in enumerate(prompts)]
             while await engine.utility("num_steps") < 12:
                 await asyncio.sleep(0.005)
             ray.kill(replica_set.replicas[0].client.actor)
+            await engine.utility("inject_step_delay", 0.0)  # the live ones
             return list(await asyncio.gather(*tasks))
 
         results = asyncio.run(main())

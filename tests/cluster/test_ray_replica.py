@@ -20,7 +20,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'tokenloop[ray]'")
 
 from tests.conftest import TINY_PROMPTS
-from tests.serving.conftest import make_engine
+from tests.serving.conftest import SLOW_STEP_S, make_engine
 from tests.serving.test_core_process import OPTIONS, _run
 from tokenloop.cluster.ray_replica import (
     RayCluster,
@@ -216,6 +216,7 @@ def test_killing_an_actor_mid_stream_is_noticed_at_once_and_the_other_serves_on(
         await doomed_stream()
         return [output async for output in steady_stream]
 
+    doomed.utility_blocking("inject_step_delay", SLOW_STEP_S)  # still streaming when the kill lands
     steady_outputs = asyncio.run(main())
     took = killed[1] - killed[0]
     assert took < 1.0, f"the stream took {took:.2f} s to fail after the actor was killed"

@@ -25,6 +25,9 @@ from tokenloop.serving.async_engine import AsyncEngine, RequestSpec
 # random model has exact logit ties that batch composition breaks one way or the other).
 OPTIONS: dict[str, Any] = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "block_size": 4, "num_blocks": 256,
                            "dtype": "float32"}
+# Tests that act on a request mid-stream (drain, migrate, kill) slow every step until they have acted, so
+# the request is still running when the action lands however fast the machine (30 tokens: >= 0.6 s).
+SLOW_REPLICA_STEP_S = 0.02
 SHARED = "the system prompt every user of this tiny service shares before their own words: "
 PROMPTS = [SHARED + p for p in TINY_PROMPTS] + TINY_PROMPTS
 
@@ -157,11 +160,13 @@ def test_drain_moves_running_requests_and_their_streams_continue(tiny: Checkpoin
     engine = _cluster(tiny, replicas=2, router="round-robin")
     try:
         async def main() -> list[list[int]]:
+            await engine.utility("inject_step_delay", SLOW_REPLICA_STEP_S)  # the action lands mid-stream
             tasks = [asyncio.create_task(_collect(engine, f"r{i}", p, _greedy(max_tokens)))
                      for i, p in enumerate(prompts)]
             while await engine.utility("num_steps") < 8:  # both decoding, some tokens out
                 await asyncio.sleep(0.01)
             result = await engine.utility("cluster_drain", 0)
+            await engine.utility("inject_step_delay", 0.0)
             assert len(result["moving"]) == 1
             return list(await asyncio.gather(*tasks))
 
@@ -221,11 +226,13 @@ def test_a_dead_replica_fails_or_resumes_its_requests(tiny: Checkpoint, failover
     expected = _reference(tiny, prompts, max_tokens)
     try:
         async def main() -> list[Any]:
+            await engine.utility("inject_step_delay", SLOW_REPLICA_STEP_S)  # the action lands mid-stream
             tasks = [asyncio.create_task(_collect_ended(engine, f"r{i}", p, _greedy(max_tokens)))
                      for i, p in enumerate(prompts)]
             while await engine.utility("num_steps") < 10:
                 await asyncio.sleep(0.01)
             clients[0].dead = True
+            await engine.utility("inject_step_delay", 0.0)
             return list(await asyncio.gather(*tasks))
 
         results = asyncio.run(main())
@@ -280,10 +287,12 @@ def test_a_migrated_seeded_request_draws_the_same_tokens(tiny: Checkpoint) -> No
                                        checkpoint=tiny, observers=[seen])
     try:
         async def main() -> list[int]:
+            await engine.utility("inject_step_delay", SLOW_REPLICA_STEP_S)  # the action lands mid-stream
             task = asyncio.create_task(_collect(engine, "moving", prompt, seeded))
             while await engine.utility("num_steps") < 12:
                 await asyncio.sleep(0.005)
             await engine.utility("cluster_migrate", "moving", 1)
+            await engine.utility("inject_step_delay", 0.0)
             return await task
 
         assert asyncio.run(main()) == expected
@@ -310,10 +319,12 @@ def test_the_trace_shows_the_route_and_the_handoff(tiny: Checkpoint) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, output_kind="delta")
     try:
         async def main() -> list[int]:
+            await engine.utility("inject_step_delay", SLOW_REPLICA_STEP_S)  # the action lands mid-stream
             task = asyncio.create_task(_collect(engine, "traced", SHARED + TINY_PROMPTS[0], params))
             while await engine.utility("num_steps") < 6:
                 await asyncio.sleep(0.005)
             await engine.utility("cluster_migrate", "traced")
+            await engine.utility("inject_step_delay", 0.0)
             return await task
 
         assert len(asyncio.run(main())) == 30
@@ -391,11 +402,13 @@ def test_rebalance_moves_queued_requests_to_a_replica_with_room(tiny: Checkpoint
         engine.utility_blocking("cluster_drain", 1)  # everything queues on replica 0 ...
 
         async def main() -> list[list[int]]:
+            await engine.utility("inject_step_delay", SLOW_REPLICA_STEP_S)  # the action lands mid-stream
             tasks = [asyncio.create_task(_collect(engine, f"r{i}", p, _greedy(max_tokens)))
                      for i, p in enumerate(prompts)]
             while await engine.utility("num_unfinished_requests") < len(prompts):
                 await asyncio.sleep(0.005)
             await engine.utility("cluster_undrain", 1)  # ... until replica 1 has room: rebalance moves them
+            await engine.utility("inject_step_delay", 0.0)
             return list(await asyncio.gather(*tasks))
 
         assert asyncio.run(main()) == expected

@@ -89,6 +89,23 @@ def running_server(checkpoint: Checkpoint, *, api_key: str | None = None, shutdo
         yield LiveServer(thread, client, engine, app.state.async_engine)
 
 
+# Long enough a pause per step that a request of a few hundred tokens outlasts anything a test does while it
+# runs (400 tokens: 20 s), on a machine of any speed; short enough that an abort lands within a step.
+SLOW_STEP_S = 0.05
+
+
+@contextmanager
+def slow_steps(async_engine: AsyncEngine, seconds: float = SLOW_STEP_S) -> Iterator[None]:
+    """Every engine step first sleeps `seconds` (the core's `inject_step_delay` fault), so a request of N
+    tokens stays in flight for at least N x `seconds` however fast the machine is. Not from the event loop."""
+    async_engine.utility_blocking("inject_step_delay", seconds)
+    try:
+        yield
+    finally:
+        if async_engine.is_running:
+            async_engine.utility_blocking("inject_step_delay", 0.0)
+
+
 def wait_for_health(url: str, process: subprocess.Popen[str], timeout_s: float = 120.0) -> None:
     """Until the server process at `url` answers /health with 200 (fails if it exits or takes too long)."""
     deadline = time.monotonic() + timeout_s

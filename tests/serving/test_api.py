@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serving.conftest import MODEL, LiveServer, read_stream, running_server, sse_events
+from tests.serving.conftest import MODEL, LiveServer, read_stream, running_server, slow_steps, sse_events
 from tokenloop.model.loader import Checkpoint
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -305,7 +305,7 @@ def test_api_key(tiny_checkpoint: Checkpoint) -> None:
 
 
 def test_429_past_max_waiting(tiny_checkpoint: Checkpoint) -> None:
-    with running_server(tiny_checkpoint, max_num_seqs=1, max_waiting=1) as live:
+    with running_server(tiny_checkpoint, max_num_seqs=1, max_waiting=1) as live, slow_steps(live.async_engine):
         body = {"messages": CHAT, "stream": True, **LONG}
         with live.client.stream("POST", "/v1/chat/completions", json=body) as running:
             assert running.status_code == 200
@@ -325,7 +325,8 @@ def test_429_past_max_waiting(tiny_checkpoint: Checkpoint) -> None:
 
 def test_streaming_disconnect_aborts_and_releases_blocks(server: LiveServer) -> None:
     aborted_before = server.metric("tokenloop:request_success_total", finished_reason="abort")
-    with server.client.stream("POST", "/v1/completions", json={"prompt": "hello", "stream": True, **LONG}) as r:
+    with slow_steps(server.async_engine), \
+            server.client.stream("POST", "/v1/completions", json={"prompt": "hello", "stream": True, **LONG}) as r:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
@@ -339,9 +340,8 @@ def test_streaming_disconnect_aborts_and_releases_blocks(server: LiveServer) -> 
 
 def test_non_streaming_disconnect_aborts(server: LiveServer) -> None:
     aborted_before = server.metric("tokenloop:request_success_total", finished_reason="abort")
-    with pytest.raises(httpx.TimeoutException):
-        server.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1000, "ignore_eos": True},
-                           timeout=0.5)
+    with slow_steps(server.async_engine), pytest.raises(httpx.TimeoutException):
+        server.client.post("/v1/completions", json={"prompt": "hello", **LONG}, timeout=0.5)
     server.wait_idle(timeout_s=5.0)
     assert server.metric("tokenloop:request_success_total", finished_reason="abort") == aborted_before + 1
     assert_alive(server)
@@ -403,9 +403,9 @@ def test_engine_failure_is_a_500_and_the_next_request_works(server: LiveServer, 
 
 
 def test_shutdown_aborts_in_flight_and_joins(tiny_checkpoint: Checkpoint) -> None:
-    with running_server(tiny_checkpoint, shutdown_timeout_s=1.0) as live:
-        stream = live.client.stream("POST", "/v1/completions",
-                                    json={"prompt": "hello", "stream": True, "max_tokens": 1000, "ignore_eos": True})
+    with running_server(tiny_checkpoint, shutdown_timeout_s=1.0) as live, slow_steps(live.async_engine):
+        # 400 tokens at >= 50 ms a step: still running when the 1 s grace ends, however fast the machine.
+        stream = live.client.stream("POST", "/v1/completions", json={"prompt": "hello", "stream": True, **LONG})
         response = stream.__enter__()
         lines = response.iter_lines()
         next(lines)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.serving.conftest import make_engine
+from tests.serving.conftest import make_engine, slow_steps
 from tokenloop.errors import CapacityError, EngineStoppedError, InvalidRequestError, RequestFailedError
 from tokenloop.metrics import EngineMetrics
 from tokenloop.model.loader import Checkpoint
@@ -66,6 +66,7 @@ def test_add_errors_reach_the_caller(async_engine: AsyncEngine) -> None:
 
 def test_capacity_error(tiny_checkpoint: Checkpoint) -> None:
     engine = AsyncEngine(make_engine(tiny_checkpoint, max_num_seqs=1, max_waiting=1))
+    engine.utility_blocking("inject_step_delay", 0.05)  # the first two stay in flight on any machine
 
     async def main() -> None:
         streams = [await engine.add_requests([RequestSpec(f"r{i}", "hello", LONG)]) for i in range(2)]
@@ -81,6 +82,8 @@ def test_capacity_error(tiny_checkpoint: Checkpoint) -> None:
 
 
 def test_abort_releases_blocks_within_a_step(async_engine: AsyncEngine) -> None:
+    async_engine.utility_blocking("inject_step_delay", 0.05)  # both still running when aborted, on any machine
+
     async def main() -> None:
         keep = await async_engine.add_requests([RequestSpec("keep", "hello world", LONG)])
         drop = await async_engine.add_requests([RequestSpec("drop", "the cat sat on the mat", LONG)])
@@ -140,14 +143,15 @@ def test_step_failure_fails_in_flight_and_keeps_serving(async_engine: AsyncEngin
 
 def test_shutdown_finishes_short_requests_and_aborts_long_ones(tiny_checkpoint: Checkpoint) -> None:
     engine = AsyncEngine(make_engine(tiny_checkpoint))
+    # 600 tokens at >= 20 ms a step outlast the 2 s grace on any machine; 8 tokens take ~0.2 s of it.
+    engine.utility_blocking("inject_step_delay", 0.02)
 
     async def main() -> None:
         short = await engine.add_requests([RequestSpec("short", "hello", GREEDY)])
-        long = await engine.add_requests([RequestSpec("long", "hello", SamplingParams(max_tokens=1000,
-                                                                                    ignore_eos=True))])
+        long = await engine.add_requests([RequestSpec("long", "hello", LONG)])
         begin = time.monotonic()
-        await engine.shutdown(timeout_s=0.5)
-        assert time.monotonic() - begin < 3.0
+        await engine.shutdown(timeout_s=2.0)
+        assert time.monotonic() - begin < 6.0
         short_outputs = [o async for o in short]
         long_outputs = [o async for o in long]
         assert short_outputs[-1].outputs[0].finish_reason == "length"

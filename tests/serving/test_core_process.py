@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.serving.conftest import make_engine, wait_for_health
+from tests.serving.conftest import SLOW_STEP_S, make_engine, wait_for_health
+from tokenloop.core.core_loop import STEP_DELAY_ENV
 from tokenloop.errors import (
     EngineStoppedError,
     InvalidRequestError,
@@ -98,6 +99,7 @@ def test_abort_and_errors_over_the_socket(process_engine: AsyncEngine) -> None:
     long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
 
     async def main() -> None:
+        await process_engine.utility("inject_step_delay", SLOW_STEP_S)  # in flight when aborted, on any machine
         stream = await process_engine.add_requests([RequestSpec("long", "hello", long)])
         async for output in stream:
             if output.outputs[0].token_ids_delta:
@@ -117,6 +119,7 @@ def test_abort_and_errors_over_the_socket(process_engine: AsyncEngine) -> None:
         assert facts["free_blocks"] == facts["num_blocks"]
         with pytest.raises(TypeError):
             await process_engine.call(lambda e: e.num_steps)
+        await process_engine.utility("inject_step_delay", 0.0)
 
     asyncio.run(main())
     counts = process_engine.counts()
@@ -190,8 +193,9 @@ def test_killing_the_core_fails_streams_at_once_and_the_server_exits_non_zero(ti
     process = subprocess.Popen([sys.executable, "-m", "tokenloop", "serve", "--model", str(tiny_model_dir),
                                 "--port", str(port), "--host", "127.0.0.1", "--block-size", "4",
                                 "--num-kv-blocks", "256", "--log-level", "warning"], cwd=REPO,
-                               env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+                               # 900 tokens at >= 50 ms a step: both requests in flight at the kill, on any machine
+                               env={**os.environ, "PYTHONPATH": str(REPO), STEP_DELAY_ENV: str(SLOW_STEP_S)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for_health(url, process)

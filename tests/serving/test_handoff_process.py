@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.serving.conftest import SLOW_STEP_S
 from tokenloop.core.engine_core import EngineCore
 from tokenloop.core.handoff import ImportResult, KVSnapshot
 from tokenloop.core.messages import AddRequests, CallResult, CoreRequest, UtilityCall
@@ -51,7 +52,7 @@ def _wait(client: CoreProcessClient, call_id: int, tokens: dict[str, list[int]],
 def test_a_request_moves_between_engine_processes(two_cores: tuple[CoreProcessClient, CoreProcessClient],
                                                   tiny: Checkpoint) -> None:
     a, b = two_cores
-    # Long enough that the core, stepping on its own, is still at it when the export arrives.
+    # Slow steps on A: the request is still at it there when the export arrives, however fast the machine.
     params = SamplingParams(temperature=1.0, seed=99, max_tokens=300, ignore_eos=True)
     prompt = tiny.tokenizer.encode("a somewhat longer prompt that spans several blocks of the tiny cache")
     alone = EngineCore(build_engine_config(str(tiny.path), **OPTIONS), checkpoint=tiny)
@@ -65,6 +66,8 @@ def test_a_request_moves_between_engine_processes(two_cores: tuple[CoreProcessCl
     tokens_b: dict[str, list[int]] = {}
     done_a: set[str] = set()
     done_b: set[str] = set()
+    a.send([UtilityCall(0, "inject_step_delay", [SLOW_STEP_S])])
+    _wait(a, 0, tokens_a, done_a)
     a.send([AddRequests(1, [CoreRequest("r", prompt, params, 0)])])
     _wait(a, 1, tokens_a, done_a)
     while len(tokens_a.get("r", [])) < 3:  # let it run a little on A

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import TINY_PROMPTS
-from tests.serving.conftest import MODEL, LiveServer
+from tests.serving.conftest import MODEL, LiveServer, slow_steps
 from tests.serving.hostile_util import (
     AUTH,
     JSON_HEADERS,
@@ -495,8 +495,17 @@ def test_burst_past_the_queue_is_429_not_400(live: LiveServer, references: dict[
             results.append(r)
 
     threads = [threading.Thread(target=one, daemon=True) for _ in range(40)]
-    for t in threads:
-        t.start()
+    # Until the queue has overflowed, every step is slowed: 16 running requests of 200 tokens then outlast the
+    # burst's arrival on any machine (on a fast one they could all finish before the 25th arrives).
+    with slow_steps(live.async_engine, 0.05):
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60.0
+        while time.monotonic() < deadline and any(t.is_alive() for t in threads):
+            with lock:
+                if any(r.status_code == 429 for r in results):
+                    break
+            time.sleep(0.01)
     for t in threads:
         t.join(120.0)
     run = victim.wait()

@@ -8,6 +8,7 @@ requests in the next frame, answers in the order the calls came).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,24 @@ def _kv_facts(core: EngineCore) -> dict[str, Any]:
 
 # The calls a front end may make across the process boundary: name -> fn(core, *args). Results are plain
 # values or wire dataclasses.
+# Fault injection for a core that the caller cannot reach by utility (a `tokenloop serve` started by a test or
+# the soak): the environment sets the step delay the core process starts with.
+STEP_DELAY_ENV = "TOKENLOOP_INJECT_STEP_DELAY_S"
+
+
+def inject_faults_from_env(core: EngineCore) -> None:
+    """Apply the fault injection that the environment asks for (none unless `STEP_DELAY_ENV` is set)."""
+    delay = os.environ.get(STEP_DELAY_ENV)
+    if delay:
+        _inject_step_delay(core, float(delay))
+
+
+def _inject_step_delay(core: EngineCore, seconds: float) -> None:
+    if not 0.0 <= seconds <= 60.0:
+        raise ValueError(f"inject_step_delay takes 0-60 s, not {seconds!r}")
+    core.injected_step_delay_s = float(seconds)
+
+
 UTILITIES: dict[str, Callable[..., Any]] = {
     "has_unfinished_requests": lambda core: core.has_unfinished_requests(),
     "num_unfinished_requests": lambda core: core.num_unfinished_requests,
@@ -55,6 +74,7 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "idle": lambda core: (core.has_unfinished_requests(), core.kv_cache.usage),
     "kv_facts": _kv_facts,
     "ping": lambda core: True,
+    "inject_step_delay": _inject_step_delay,  # fault injection: every step sleeps first (tests, the soak)
     # Handoff (tokenloop.core.handoff): the EngineCore methods of the same names.
     "export_request": lambda core, request_id, skip_hashes=(), lease_s=30.0: core.export_request(
         request_id, skip_hashes, lease_s),

@@ -89,11 +89,12 @@ def _parent_gone(parent_pid: int) -> bool:
 def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Socket):
     """Build the core and announce it; on failure announce why and return None."""
     try:
-        from tokenloop.core.core_loop import CoreLoop, RecordBuffer
+        from tokenloop.core.core_loop import CoreLoop, RecordBuffer, inject_faults_from_env
         from tokenloop.core.engine_core import EngineCore
 
         buffer = RecordBuffer()
         core = EngineCore(config, checkpoint, observers=[buffer])
+        inject_faults_from_env(core)
     except Exception as exc:
         logger.exception("building the engine core failed")
         error = wire.error_to_wire(exc)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -114,6 +115,9 @@ class EngineCore:
                                      self.structured, self.vocab_size, self.eos_token_id,
                                      config.scheduler.max_num_seqs, clock)
         self.num_steps = 0
+        # Fault injection (tests, the soak): every step with work first sleeps this long, as a slower model
+        # would; a test holds a request in flight with it instead of betting on the machine's speed.
+        self.injected_step_delay_s = 0.0
 
     # ---- requests in -----------------------------------------------------------------------------
 
@@ -209,6 +213,8 @@ class EngineCore:
         result: RunnerOutput | None = None
         if not schedule.is_empty:
             self.num_steps += 1
+            if self.injected_step_delay_s > 0:
+                time.sleep(self.injected_step_delay_s)
             schedule, result, failures = execute_isolated(self.runner, schedule)
         execute_end = clock()
         sampled: list[Sampled] = []
