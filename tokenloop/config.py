@@ -216,6 +216,9 @@ class ServerLimits:
     max_stop_token_ids: int = 1024
     max_cache_salt_chars: int = 1024  # the salt is hashed into every block of the prompt
     max_stream_backlog: int = 4096  # undelivered outputs per response before its requests are aborted
+    # A constraint (schema, regex, choice, grammar) must compile within this at the door (400 past it); typical
+    # ones take 2-300 ms here.
+    grammar_compile_timeout_s: float = 3.0
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -83,4 +83,4 @@ def test_json_schema_response_format(client: Any) -> None:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
                                        response_format={"type": "json_schema", "json_schema": {
                                            "name": "x", "schema": {"$ref": "#/$defs/nowhere"}}})
-    assert info.value.body["param"] == "response_format"
+    assert info.value.body["param"] == "response_format.json_schema"

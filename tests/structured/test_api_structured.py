@@ -87,12 +87,12 @@ def test_structured_outputs_regex_choice_grammar(server: LiveServer) -> None:
 @pytest.mark.parametrize("path, body, param, words", [
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}},
-     "response_format", "missing"),
-    ("/v1/completions", {"structured_outputs": {"regex": "(a"}}, "structured_outputs", "regex"),
-    ("/v1/completions", {"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs",
+     "response_format.json_schema", "missing"),
+    ("/v1/completions", {"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex", "regex"),
+    ("/v1/completions", {"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs.grammar",
      "grammar"),
     ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
-    ("/v1/completions", {"structured_outputs": {"json": "{nope"}}, "structured_outputs", "json"),
+    ("/v1/completions", {"structured_outputs": {"json": "{nope"}}, "structured_outputs.json", "JSON"),
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type", "xml"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
@@ -131,7 +131,7 @@ def test_hostile_specs_are_bounded(server: LiveServer) -> None:
         assert r.status_code in (200, 400), r.text
         assert time.monotonic() - begin < 30
         if r.status_code == 400:
-            assert r.json()["error"]["param"] == "structured_outputs"
+            assert r.json()["error"]["param"] == f"structured_outputs.{next(iter(so))}"
     r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "structured_outputs": {"json": huge}})
     assert r.status_code == 400 and "limit" in r.json()["error"]["message"]
 

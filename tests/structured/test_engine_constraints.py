@@ -144,7 +144,7 @@ def test_abort_and_length_and_errors(tiny: Checkpoint) -> None:
                 SO(json={"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})):
         with pytest.raises(InvalidRequestError) as info:
             engine.add_request(None, TINY_PROMPTS[0], params(bad))
-        assert info.value.param == "structured_outputs"
+        assert info.value.param == f"structured_outputs.{bad.kind}"
     with pytest.raises(InvalidRequestError):
         SO(json="{not json")
     with pytest.raises(InvalidRequestError):

@@ -69,10 +69,10 @@ def test_tool_choice_resolution_and_forced_call_schemas() -> None:
     assert resolve_tool_choice([TOOL], None).mode == "auto"
     named = resolve_tool_choice([TOOL, OTHER], {"type": "function", "function": {"name": "add"}})
     assert named.mode == "named" and named.name == "add"
-    assert forced_call_constraint(named).json == TOOL["function"]["parameters"]
+    assert forced_call_constraint(named).schema == TOOL["function"]["parameters"]
     assert forced_call_constraint(AUTO) is None
     required = forced_call_constraint(resolve_tool_choice([TOOL, OTHER], "required", parallel_tool_calls=False))
-    schema = required.json
+    schema = required.schema
     jsonschema.validate([{"name": "add", "arguments": {"a": 1, "b": 2}}], schema)
     for bad in ([], [{"name": "nope", "arguments": {}}], [{"name": "echo", "arguments": {}}] * 2):
         with pytest.raises(jsonschema.ValidationError):

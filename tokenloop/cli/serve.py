@@ -163,6 +163,8 @@ _LIMIT_FLAGS = {
     "--max-logit-bias": ("max_logit_bias_entries", int, "most logit_bias entries per request"),
     "--max-stream-backlog": ("max_stream_backlog", int,
                              "outputs a slow reader may fall behind before its request is aborted"),
+    "--grammar-compile-timeout": ("grammar_compile_timeout_s", float,
+                                  "seconds a structured-output constraint may take to compile (400 past it)"),
 }
 
 

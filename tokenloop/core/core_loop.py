@@ -3,10 +3,14 @@
 `CoreLoop` is what both core clients drive: the engine process (`core_process`) around sockets, and the
 in-process client directly, so the two modes share every rule (all-or-none adds, finals of finished
 requests in the next frame, answers in the order the calls came).
+
+A submission whose grammar is not compiled yet is parked while a worker thread compiles it, and added (or
+refused, with the compile error as its answer) on the first turn after; the loop steps the others meanwhile.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 from collections.abc import Callable
@@ -25,6 +29,7 @@ from tokenloop.core.messages import (
     UtilityCall,
 )
 from tokenloop.core.wire import error_to_wire
+from tokenloop.errors import EngineStoppedError
 from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepRecord
 
 if TYPE_CHECKING:  # the front end imports this module (RecordBuffer) without the engine
@@ -107,6 +112,21 @@ class RecordBuffer:
         self.releases.extend(records)
 
 
+@dataclass
+class _Parked:
+    """A submission waiting for its grammars to compile; aborts while it waits remove its requests."""
+
+    message: AddRequests
+    grammars: list[concurrent.futures.Future[Any]]
+
+    @property
+    def ready(self) -> bool:
+        return all(g.done() for g in self.grammars)
+
+    def error(self) -> BaseException | None:
+        return next((g.exception() for g in self.grammars if g.exception() is not None), None)
+
+
 class CoreLoop:
     """Applies input messages to an `EngineCore` and turns each step into one `CoreFrame`.
 
@@ -121,6 +141,7 @@ class CoreLoop:
         self.last_num_scheduled = 0
         self._finals: list[CoreOutput] = []  # of requests finished by a message, for the next frame
         self._results: list[CallResult] = []
+        self._parked: list[_Parked] = []  # submissions whose grammars are compiling, in arrival order
         self._dirty = False  # something changed since the last frame: send one even without a step
 
     def apply(self, message: InputMessage) -> None:
@@ -129,20 +150,55 @@ class CoreLoop:
         core = self.core
         if isinstance(message, AddRequests):
             try:
-                core.add_requests(message.requests)
-                self._results.append(CallResult(message.call_id))
+                compiling = core.structured.compile_later([r.params.structured_outputs for r in message.requests])
             except Exception as exc:  # noqa: BLE001 - the submitter raises it again
                 self._results.append(CallResult(message.call_id, None, error_to_wire(exc)))
+                return
+            if compiling:
+                self._parked.append(_Parked(message, compiling))
+            else:
+                self._add(message)
         elif isinstance(message, FinishRequests):
+            ended = set(message.request_ids)
+            for parked in self._parked:  # never added: nothing to release, and they never will be
+                parked.message.requests = [r for r in parked.message.requests if r.request_id not in ended]
             self._finals.extend(core.finish_requests(message.request_ids, message.finish_reason,
                                                      message.stop_reason))
         elif isinstance(message, UtilityCall):
             self._results.append(self._call(message))
         elif isinstance(message, Shutdown):
+            for parked in self._parked:
+                stopping = EngineStoppedError("the engine core is shutting down")
+                self._results.append(CallResult(parked.message.call_id, None, error_to_wire(stopping)))
+            self._parked.clear()
+            core.structured.close()
             self._finals.extend(core.finish_requests(list(core._requests), "abort"))
             self.stopped = True
         else:
             raise TypeError(f"not an engine-core message: {type(message).__name__}")
+
+    def _add(self, message: AddRequests) -> None:
+        try:
+            if message.requests:  # all of them may have been aborted while parked
+                self.core.add_requests(message.requests)
+            self._results.append(CallResult(message.call_id))
+        except Exception as exc:  # noqa: BLE001 - the submitter raises it again
+            self._results.append(CallResult(message.call_id, None, error_to_wire(exc)))
+
+    def _admit_compiled(self) -> None:
+        """Add (or refuse) every parked submission whose grammars are done compiling."""
+        still: list[_Parked] = []
+        for parked in self._parked:
+            if not parked.ready:
+                still.append(parked)
+                continue
+            self._dirty = True
+            error = parked.error()
+            if error is not None:
+                self._results.append(CallResult(parked.message.call_id, None, error_to_wire(error)))
+            else:
+                self._add(parked.message)  # its grammars are in the cache now
+        self._parked = still
 
     def _call(self, call: UtilityCall) -> CallResult:
         fn = UTILITIES.get(call.name)
@@ -160,19 +216,24 @@ class CoreLoop:
 
     @property
     def has_work(self) -> bool:
-        return self.core.has_unfinished_requests() and not self.stopped
+        """Requests to step, or submissions waiting for their grammars (the loop polls for those)."""
+        return (self.core.has_unfinished_requests() or bool(self._parked)) and not self.stopped
 
     def turn(self) -> CoreFrame | None:
         """Step if there is work; the frame to send, or None when nothing happened at all."""
         core = self.core
         outputs: CoreOutputs | None = None
-        if self.has_work:
+        if self._parked:
+            self._admit_compiled()
+        if core.has_unfinished_requests() and not self.stopped:
             outputs = core.step()
             self.last_num_scheduled = outputs.num_scheduled
             if self._finals:
                 outputs.outputs[:0] = self._finals
-        elif self._finals or self._dirty:
-            outputs = CoreOutputs(self._finals, core.clock(), 0)
+        else:
+            self.last_num_scheduled = 0  # only parked submissions: the loop polls, it does not spin
+            if self._finals or self._dirty:
+                outputs = CoreOutputs(self._finals, core.clock(), 0)
         if outputs is None and not self._results:
             return None
         buffer = self.buffer

@@ -213,6 +213,33 @@ def encode_batch(messages: Sequence[Any]) -> bytes:
     return msgpack.packb([_tagged(m) for m in messages], use_bin_type=True)
 
 
+class UnsendableMessages(Exception):
+    """Messages of a batch that could not be encoded (a value msgpack cannot hold); the rest were sent.
+    Each failure is the message and why, for the front end to answer its submitter alone."""
+
+    def __init__(self, failures: list[tuple[Any, BaseException]]) -> None:
+        super().__init__(f"{len(failures)} message(s) could not be encoded: {failures[0][1]!r}")
+        self.failures = failures
+
+
+def encode_sendable(messages: Sequence[Any]) -> tuple[bytes | None, list[tuple[Any, BaseException]]]:
+    """The frame of every message that encodes (None if none does), and those that do not, with why.
+    One message's unencodable value never costs the others their delivery."""
+    try:
+        return encode_batch(messages), []
+    except (TypeError, ValueError, OverflowError) as first:  # the rare path: find the culprits one by one
+        good, failures = [], []
+        for message in messages:
+            try:
+                encode(message)
+                good.append(message)
+            except (TypeError, ValueError, OverflowError) as exc:
+                failures.append((message, exc))
+        if not failures:  # not one message's fault after all
+            raise first
+        return (encode_batch(good) if good else None), failures
+
+
 def decode_batch(frame: bytes) -> list[Any]:
     return [_untagged(item) for item in _unpackb(frame)]
 

@@ -14,9 +14,10 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
@@ -30,6 +31,9 @@ from tokenloop.serving.protocol import (DetokenizeRequest, DetokenizeResponse, M
                                         PromptTokensDetails, TokenizeChatRequest, TokenizeCompletionRequest,
                                         TokenizeResponse, UsageInfo, now_s)
 from tokenloop.serving.validation import EdgeContext, check_messages, check_template_kwargs, validate_body
+
+if TYPE_CHECKING:
+    from tokenloop.structured.compile_worker import GrammarChecker
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +148,13 @@ class ServingBase:
         # Tokenizing and chat templating are CPU work: never on the event loop, never on the engine thread.
         self._workers = concurrent.futures.ThreadPoolExecutor(max_workers=2,
                                                               thread_name_prefix="tokenloop-prep")
+        self._checker: GrammarChecker | None = None  # started with the first constrained request
+        self._checker_lock = threading.Lock()
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
+        if self._checker is not None:
+            self._checker.close()
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the prep workers; the app parses and validates bodies here too."""
@@ -169,12 +177,22 @@ class ServingBase:
 
     async def _submit(self, specs: list[RequestSpec]) -> RequestStream:
         spec = specs[0].params.structured_outputs if specs else None
-        engine = self.async_engine.engine
-        if spec is not None and engine is not None:
-            # Compiled (or found in the cache) off the event loop; a bad one is a 400 here. With the core
-            # in its own process it compiles there, and a bad one comes back as the submission's error.
-            await asyncio.to_thread(engine.structured.compile, spec)
+        if spec is not None:
+            # Compiled once in a worker process within the time budget, off the event loop: a constraint
+            # too costly or one that crashes the compiler is a 400 here, and never reaches the engine core.
+            await asyncio.to_thread(self._grammar_checker().check, spec)
         return await self.async_engine.add_requests(specs)
+
+    def _grammar_checker(self) -> GrammarChecker:
+        with self._checker_lock:
+            if self._checker is None:
+                from tokenloop.structured.compile_worker import GrammarChecker
+
+                tokenizer = self.tokenizer
+                self._checker = GrammarChecker(tokenizer.backend.to_str(), self.async_engine.vocab_size,
+                                               tokenizer.eos_token_ids,
+                                               timeout_s=self.limits.grammar_compile_timeout_s)
+            return self._checker
 
     async def _collect(self, stream: RequestStream, submission: _Submission, raw: Request) -> bool:
         """Gather every output of a non-streaming call; False if the client went away first."""

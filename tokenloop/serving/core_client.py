@@ -150,8 +150,14 @@ class CoreSockets:
                 raise EngineStoppedError(f"{why} while starting")
 
     def send(self, messages: list[InputMessage]) -> None:
+        """Send a batch as one frame; raises wire.UnsendableMessages (after sending the rest) for messages
+        holding a value msgpack cannot encode."""
         if messages:
-            self.inputs.send(wire.encode_batch(messages), copy=False)
+            frame, failures = wire.encode_sendable(messages)
+            if frame is not None:
+                self.inputs.send(frame, copy=False)
+            if failures:
+                raise wire.UnsendableMessages(failures)
 
     def send_shutdown(self) -> None:
         try:

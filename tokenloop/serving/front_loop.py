@@ -24,7 +24,7 @@ from tokenloop.core.messages import (
     InputMessage,
     UtilityCall,
 )
-from tokenloop.core.wire import error_from_wire
+from tokenloop.core.wire import UnsendableMessages, error_from_wire, error_to_wire
 from tokenloop.errors import InvalidRequestError, RequestFailedError
 from tokenloop.outputs import RequestOutput
 from tokenloop.serving.streams import (
@@ -116,7 +116,19 @@ class FrontLoop:
     def _flush(self) -> None:
         if self._messages:
             messages, self._messages = self._messages, []
-            self.client.send(messages)
+            try:
+                self.client.send(messages)
+            except UnsendableMessages as unsendable:  # the others went: only these submitters hear of it
+                for message, cause in unsendable.failures:
+                    self._refuse_unsendable(message, cause)
+
+    def _refuse_unsendable(self, message: InputMessage, cause: BaseException) -> None:
+        call_id = getattr(message, "call_id", None)
+        if call_id is None:
+            logger.error("a %s could not be sent to the engine core: %r", type(message).__name__, cause)
+            return
+        why = f"a value in this request cannot be sent to the engine core ({type(cause).__name__}: {cause})"
+        self._answer(CallResult(call_id, None, error_to_wire(InvalidRequestError(why))))
 
     def _call_id(self) -> int:
         e = self.e

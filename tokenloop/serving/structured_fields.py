@@ -41,7 +41,7 @@ def response_format_spec(response_format: Any) -> StructuredOutputsParams | None
         if not isinstance(schema, dict):
             raise InvalidRequestError("response_format.json_schema.schema must be a JSON schema object",
                                       param="response_format.json_schema.schema")
-        return StructuredOutputsParams(json=schema, param=param)
+        return StructuredOutputsParams(json=schema, param="response_format.json_schema")
     raise InvalidRequestError(f"response_format type {kind!r} is not supported (use text, json_object or "
                               "json_schema)", param="response_format.type")
 

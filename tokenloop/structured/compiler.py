@@ -1,17 +1,18 @@
-"""Grammar compilation, bounded and cached: specs -> validated llguidance grammars -> per-request matchers.
+"""The engine core's grammar cache: specs -> compiled llguidance grammars -> per-request matchers.
 
-llguidance (not xgrammar) because, measured on this machine (BENCHMARKS.md): it builds a grammar in
-under 2 ms where xgrammar takes 4-20 ms, its parser runs under fuel limits (a hostile schema errors
-out instead of hanging the engine), it reads our tokenizer's JSON directly and it has no dependencies.
+A grammar is compiled once per distinct spec (keyed by the spec's hash) into a template matcher that has
+computed its first mask, so every error a spec can cause at the start shows up at compile time as an
+`InvalidRequestError` naming the request field. Requests get deep copies of the template.
 
-A grammar is compiled once per distinct spec (keyed by the spec's hash) into a template matcher that
-has computed its first mask, so every error a spec can cause at the start shows up here, at the edge,
-as an `InvalidRequestError` naming the request field. Requests get deep copies of the template.
+The core compiles on a worker thread (`compile_later`), never on the thread that steps: llguidance releases
+the GIL while it builds (measured: the longest hold ~40 ms during a 1 s build), so steps go on meanwhile.
+The server has already compiled every spec once at the door, in a worker process under a time budget
+(`tokenloop.structured.compile_worker`); the core's own build is the same code on the same input.
 """
 
 from __future__ import annotations
 
-import json
+import concurrent.futures
 import threading
 import time
 from collections import OrderedDict
@@ -19,31 +20,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.torch
-import torch
 
-from tokenloop.errors import InvalidRequestError
+from tokenloop.structured.grammar import GrammarLimits, build_matcher, grammar_tokenizer
 from tokenloop.structured.matcher import RequestMatcher
 from tokenloop.structured.spec import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from tokenloop.tokenizer import Tokenizer
 
-
-@dataclass(frozen=True)
-class GrammarLimits:
-    """Bounds on one grammar: llguidance's fuel (work per build and per mask step) and sizes."""
-
-    max_grammar_size: int = 200_000  # symbols in the grammar's productions
-    initial_lexer_fuel: int = 2_000_000  # ~40 ms of regex building
-    step_lexer_fuel: int = 400_000  # ~30 ms per mask, at most
-    max_lexer_states: int = 100_000
-
-    def parser_limits(self) -> llguidance.LLParserLimits:
-        return llguidance.LLParserLimits(max_grammar_size=self.max_grammar_size,
-                                         initial_lexer_fuel=self.initial_lexer_fuel,
-                                         step_lexer_fuel=self.step_lexer_fuel,
-                                         max_lexer_states=self.max_lexer_states, verbose_errors=False)
+__all__ = ["CompileStats", "CompiledGrammar", "GrammarCompiler", "GrammarLimits"]
 
 
 @dataclass
@@ -71,24 +56,6 @@ class CompiledGrammar:
         return RequestMatcher(self.key, self.template.deep_copy())
 
 
-def grammar_text(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar for a spec (not yet validated); JSON is compact, as small models need."""
-    options = {"whitespace_flexible": False}
-    kind = spec.kind
-    try:
-        if kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.json), defaults=options)
-        if kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=options)
-        if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec.regex or "")
-        if kind == "choice":
-            return llguidance.grammar_from("choice", list(spec.choice or ()))
-        return llguidance.grammar_from("gbnf", spec.grammar or "")
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"{spec.param}: invalid {kind}: {exc}", param=spec.param) from None
-
-
 class GrammarCompiler:
     """Compiles specs for one tokenizer, keeping the last `cache_size` grammars (LRU, by spec hash).
 
@@ -97,50 +64,69 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = 256,
                  limits: GrammarLimits | None = None) -> None:
-        eos = sorted(tokenizer.eos_token_ids) or None
         self.vocab_size = vocab_size
         self.limits = limits or GrammarLimits()
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        self.tokenizer = grammar_tokenizer(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_token_ids)
         self.cache_size = cache_size
         self.stats = CompileStats()
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on the first compile_later
+        self._building: dict[str, concurrent.futures.Future[CompiledGrammar]] = {}  # guarded by _lock
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """The spec's grammar, from the cache or built now; raises InvalidRequestError naming `spec.param`."""
+        """The spec's grammar, from the cache or built now; raises InvalidRequestError naming `spec.field`."""
+        hit = self.cached(spec)
+        return hit if hit is not None else self._build(spec)
+
+    def cached(self, spec: StructuredOutputsParams) -> CompiledGrammar | None:
+        """The spec's grammar if it is in the cache (counted as a hit), else None."""
         key = spec.key()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 self.stats.hits += 1
-                return hit
+            return hit
+
+    def has(self, spec: StructuredOutputsParams) -> bool:
+        """Whether the spec's grammar is in the cache (not counted as a hit)."""
+        with self._lock:
+            return spec.key() in self._cache
+
+    def compile_later(self, spec: StructuredOutputsParams) -> concurrent.futures.Future[CompiledGrammar]:
+        """The spec's grammar built on a worker thread (one build per key at a time); the future raises
+        InvalidRequestError for a bad spec. Look in the cache first: this always goes to the pool."""
+        key = spec.key()
+        with self._lock:
+            future = self._building.get(key)
+            if future is not None:
+                return future
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+            future = self._building[key] = self._pool.submit(self._build, spec)
+        # Outside the lock: a build already done calls back at once, on this thread.
+        future.add_done_callback(lambda _: self._forget_building(key))
+        return future
+
+    def close(self) -> None:
+        """Stop the worker thread (builds already queued finish first)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _forget_building(self, key: str) -> None:
+        with self._lock:
+            self._building.pop(key, None)
+
+    def _build(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         begin = time.perf_counter()
-        compiled = CompiledGrammar(key, self._build(spec))
+        compiled = CompiledGrammar(spec.key(), build_matcher(self.tokenizer, spec, self.limits))
         elapsed = time.perf_counter() - begin
         with self._lock:
             self.stats.misses += 1
             self.stats.compile_s.append(elapsed)
             del self.stats.compile_s[:-10_000]  # bounded history
-            self._cache[key] = compiled
+            self._cache[compiled.key] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return compiled
-
-    def _build(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        grammar = grammar_text(spec)
-        limits = self.limits.parser_limits()
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
-        if not matcher.is_error():
-            # The first mask builds the lexer's start states: a grammar too costly for its fuel fails here.
-            mask = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
-            llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-        if matcher.is_error():
-            raise InvalidRequestError(f"{spec.param}: invalid or unsupported {spec.kind}: "
-                                      f"{_short(matcher.get_error())}", param=spec.param)
-        return matcher
-
-
-def _short(message: str, limit: int = 300) -> str:
-    message = " ".join(message.split())
-    return message if len(message) <= limit else message[:limit] + "..."

@@ -7,6 +7,8 @@ request arrives: unconstrained serving neither loads llguidance nor does any per
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from tokenloop.errors import TokenloopError
@@ -45,6 +47,22 @@ class StructuredOutputs:
     def compile(self, spec: StructuredOutputsParams | None) -> CompiledGrammar | None:
         """The compiled grammar of `spec` (cached), None without one; raises InvalidRequestError."""
         return None if spec is None else self.compiler.compile(spec)
+
+    def compile_later(self, specs: Sequence[StructuredOutputsParams | None]) -> list[Future[CompiledGrammar]]:
+        """Futures of the grammars among `specs` that are not compiled yet, each building on a worker
+        thread; empty when every spec is None or cached (the common case costs no thread hop)."""
+        if all(spec is None for spec in specs):
+            return []
+        compiler = self.compiler
+        return [compiler.compile_later(spec) for spec in specs
+                if spec is not None and not compiler.has(spec)]
+
+    def close(self) -> None:
+        """Stop the compile thread, if one was started."""
+        with self._lock:
+            compiler = self._compiler
+        if compiler is not None:
+            compiler.close()
 
     @staticmethod
     def accept(request: Request, token_id: int) -> None:
