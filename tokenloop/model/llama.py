@@ -235,6 +235,18 @@ class LlamaModel:
         return self._decode_plans[rows]
 
     @classmethod
+    def tensor_names(cls, config: ModelConfig) -> list[str]:
+        """Every HF-named tensor a checkpoint of this family may hold (the optional ones too)."""
+        names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
+                      p + "self_attn.o_proj.weight"]
+            names += [p + f"self_attn.{x}_proj.{kind}" for x in "qkv" for kind in ("weight", "bias")]
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        return names
+
+    @classmethod
     def from_weights(
         cls,
         config: ModelConfig,
