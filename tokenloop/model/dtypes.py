@@ -41,7 +41,7 @@ from tokenloop.model import registry
 from tokenloop.model.quantized import GGMLTensor
 
 if TYPE_CHECKING:
-    from tokenloop.model.llama import LlamaModel
+    from tokenloop.model.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 

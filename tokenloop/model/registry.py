@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from tokenloop.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
-    from tokenloop.model.llama import LlamaModel
+    from tokenloop.model.models.llama import LlamaModel
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Architecture:
         return self.gguf_names or self.name
 
 
-_LLAMA = "tokenloop.model.llama:LlamaModel"
+_LLAMA = "tokenloop.model.models.llama:LlamaModel"
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", _LLAMA, ("LlamaForCausalLM",), gguf_permutes_qk=True),
     Architecture("mistral", _LLAMA, ("MistralForCausalLM",), gguf_names="llama", gguf_permutes_qk=True),
