@@ -54,7 +54,7 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
     if config.get("head_dim"):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
-    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")

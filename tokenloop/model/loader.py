@@ -242,15 +242,26 @@ def _hf_config(path: Path) -> ModelConfig:
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{config_file}: invalid JSON ({exc})") from exc
     arch = registry.hf_architecture(raw, str(config_file)).name
-    scaling_raw = raw.get("rope_scaling") or {}
+    # transformers >= 5 writes theta and scaling together as `rope_parameters`; older files, `rope_theta` and
+    # `rope_scaling` apart.
+    rope_raw = raw.get("rope_parameters") or {}
+    theta = rope_raw.get("rope_theta", raw.get("rope_theta", 10000.0))
+    scaling_raw = raw.get("rope_scaling") or {k: v for k, v in rope_raw.items()
+                                              if k not in ("rope_theta", "partial_rotary_factor")}
     scaling_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default"))
+    if scaling_type == "default":
+        scaling_raw = {}
     try:
         rope_scaling = RopeScaling(
             rope_type=scaling_type,
-            factor=float(scaling_raw.get("factor", 1.0)),
+            factor=float(scaling_raw.get("factor") or 1.0),
             low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
             high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(scaling_raw.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=int(scaling_raw.get("original_max_position_embeddings")
+                                                 or raw.get("original_max_position_embeddings") or 8192),
+            long_factor=tuple(float(x) for x in scaling_raw.get("long_factor") or ()),
+            short_factor=tuple(float(x) for x in scaling_raw.get("short_factor") or ()),
+            attention_factor=float(scaling_raw.get("attention_factor") or 0.0),
         ) if scaling_raw else RopeScaling()
         hidden = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])
@@ -264,11 +275,13 @@ def _hf_config(path: Path) -> ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=float(theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            partial_rotary_factor=float(rope_raw.get("partial_rotary_factor")
+                                        or raw.get("partial_rotary_factor") or 1.0),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{config_file}: missing field {exc.args[0]!r}") from exc

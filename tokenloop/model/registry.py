@@ -38,6 +38,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", _LLAMA, ("LlamaForCausalLM",), gguf_permutes_qk=True),
     Architecture("mistral", _LLAMA, ("MistralForCausalLM",), gguf_names="llama", gguf_permutes_qk=True),
     Architecture("qwen2", _LLAMA, ("Qwen2ForCausalLM",)),
+    Architecture("qwen3", "tokenloop.model.models.qwen3:Qwen3Model", ("Qwen3ForCausalLM",)),
+    Architecture("phi3", "tokenloop.model.models.phi3:Phi3Model", ("Phi3ForCausalLM",)),
 )}
 
 

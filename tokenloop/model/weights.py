@@ -17,11 +17,12 @@ import torch
 from tokenloop.errors import ModelLoadError
 from tokenloop.model.int8_dot import Q8DotWeight
 from tokenloop.model.layers.linear import Weight
-from tokenloop.model.quantized import (GGMLTensor, PackedLinear, PackThresholds, Q8Weight, QType, QuantizedEmbedding,
-                                       dense_weight, pack_linear)
+from tokenloop.model.quantized import (GGMLTensor, PackedLinear, PackThresholds, Q8Weight, QType,
+                                       QuantizedEmbedding, dense_weight, pack_linear)
 
 # Tensors with no HF counterpart (llama.cpp's precomputed rotary factors) keep their GGUF base name.
-_GGUF_ONLY = (gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.ROPE_FACTORS_LONG, gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)
+_GGUF_ONLY = (gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.ROPE_FACTORS_LONG,
+              gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)
 
 
 def gguf_to_hf_names(gguf_arch: str, num_layers: int, hf_names: Iterable[str]) -> dict[str, str]:

@@ -61,3 +61,19 @@ class RotaryTables:
     def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for `positions` [T], shaped [T, 1, R/2] to broadcast over heads."""
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+
+
+def longrope_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling, context: int,
+                         max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: (inverse frequencies, cos/sin magnitude). The long factors serve a context longer than
+    the original training length, the short ones any other; the choice is made once for the configured
+    context, as llama.cpp does, since the paged cache keeps K rotated (HF switches per sequence length)."""
+    original = scaling.original_max_position_embeddings
+    factors = scaling.long_factor if context > original else scaling.short_factor
+    base = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base)
+    magnitude = scaling.attention_factor
+    if magnitude <= 0:
+        stretch = max_position_embeddings / original
+        magnitude = 1.0 if stretch <= 1.0 else math.sqrt(1 + math.log(stretch) / math.log(original))
+    return inv_freq, magnitude

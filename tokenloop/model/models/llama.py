@@ -25,7 +25,7 @@ from tokenloop.model.layers import kv
 from tokenloop.model.layers.linear import LMHead, Weight, linear
 from tokenloop.model.layers.mlp import gated_mlp
 from tokenloop.model.layers.norm import head_rms_norm_, rms_norm
-from tokenloop.model.layers.rotary import RotaryTables, apply_rope, rope_inverse_frequencies
+from tokenloop.model.layers.rotary import RotaryTables, apply_rope, longrope_frequencies, rope_inverse_frequencies
 from tokenloop.model.quantized import PackedLinear, PackThresholds, QuantizedEmbedding
 from tokenloop.model.weights import WeightSource
 
@@ -64,6 +64,7 @@ class LlamaModel:
         max_positions: int,
         use_cpu_kernels: bool = True,
         kv_dtype: torch.dtype | None = None,
+        rope_magnitude: float = 1.0,
     ) -> None:
         self.config = config
         self.embed = embed
@@ -84,7 +85,7 @@ class LlamaModel:
             self.decode_kernel = paged_decode_kernels()
         elif use_cpu_kernels and self.device.type == "cuda":
             self.decode_kernel = self.prefill_kernel = triton_attention_kernels()
-        self.rotary = RotaryTables(inv_freq, max_positions, self.device, self.dtype)
+        self.rotary = RotaryTables(inv_freq, max_positions, self.device, self.dtype, rope_magnitude)
         # The fused elementwise kernels (csrc/fused_layer_ops.cpp) replace ~150 small ops a layer with ~10;
         # they read fp32 or bf16 GEMM outputs, so layers with an fp16 matrix or a QKV bias keep the op path.
         self.fused_ops = self.decode_kernel if self.decode_kernel is not None and self._fusable() else None
@@ -142,11 +143,16 @@ class LlamaModel:
         )
 
     @classmethod
-    def inverse_frequencies(cls, source: WeightSource, config: ModelConfig) -> torch.Tensor:
-        """The rotary inverse frequencies [rotated dims / 2]."""
+    def rotary_frequencies(cls, source: WeightSource, config: ModelConfig, context: int) -> tuple[torch.Tensor,
+                                                                                                  float]:
+        """The rotary inverse frequencies [rotary_dim / 2] for a context of `context` positions, and the
+        magnitude cos and sin are scaled by."""
+        if config.rope_scaling.rope_type == "longrope":
+            return longrope_frequencies(config.rotary_dim, config.rope_theta, config.rope_scaling, context,
+                                        config.max_position_embeddings)
         factors = source.weights.get("rope_freqs")
-        return rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
-                                        factors if isinstance(factors, torch.Tensor) else None)
+        return rope_inverse_frequencies(config.rotary_dim, config.rope_theta, config.rope_scaling,
+                                        factors if isinstance(factors, torch.Tensor) else None), 1.0
 
     @classmethod
     def from_weights(
@@ -175,9 +181,10 @@ class LlamaModel:
         layers = [cls.layer_weights(source, config, i) for i in range(config.num_layers)]
         embed, lm_head = source.embedding_and_head("model.embed_tokens.weight", "lm_head.weight",
                                                    config.tie_word_embeddings)
-        return cls(config, embed, layers, source.take("model.norm.weight"), lm_head,
-                   cls.inverse_frequencies(source, config), max_positions or config.max_position_embeddings,
-                   use_cpu_kernels, kv_dtype)
+        context = max_positions or config.max_position_embeddings
+        inv_freq, magnitude = cls.rotary_frequencies(source, config, context)
+        return cls(config, embed, layers, source.take("model.norm.weight"), lm_head, inv_freq, context,
+                   use_cpu_kernels, kv_dtype, magnitude)
 
     def weight_form(self, rows: int) -> str:
         """The form the layers' projections run in for a step of `rows` tokens (int4, q8_0, bfloat16, ...)."""
