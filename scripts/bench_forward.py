@@ -24,7 +24,7 @@ import torch
 
 from tokenloop.model.attention import AttentionMetadata
 from tokenloop.model.dtypes import CpuFeatures, build_model, resolve_dtype
-from tokenloop.model.llama import LlamaModel
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint, resolve_model_path
 from tokenloop.model.quantized import PackThresholds
 

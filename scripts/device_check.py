@@ -53,7 +53,7 @@ from tokenloop.model.attention import (
     paged_attention,
     triton_attention_kernels,
 )
-from tokenloop.model.llama import LlamaModel
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import Checkpoint
 from tokenloop.observe.records import EngineObserver, StepRecord
 from tokenloop.request import SamplingParams

@@ -1,7 +1,7 @@
 """Where a decode step of the default model goes: per kernel kind, in milliseconds per step.
 
 A pure decode step runs every layer in one C++ call (`csrc/decode_layers.cpp`), which no profiler sees into.
-Its Python twin (`LlamaModel._forward_fused` with `fused_decode` off) calls the same kernels in the same order,
+Its Python twin (`fused_cpu.forward_fused` with `fused_decode` off) calls the same kernels in the same order,
 so this script runs that twin with a timer around each call (`time.thread_time`, one thread by default: the
 machine is shared) and reports each kind's share, next to the C++ loop's whole step (timed the same way), so
 the difference is the Python loop's own cost. Steps are built as `bench_forward.py` builds them.
@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import tokenloop.model.llama as llama_module
+import tokenloop.model.fused_cpu as fused_module
 from scripts.bench_forward import build_form, make_decode_run
-from tokenloop.model.llama import LlamaModel
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
 
 
@@ -50,8 +50,8 @@ class KernelTimer:
         return wrapper
 
     def install(self) -> Callable[[], None]:
-        """Wrap the kernels `_forward_fused` calls; returns the undo."""
-        model, saved_project, saved_attention = self.model, llama_module.project, llama_module.paged_attention
+        """Wrap the kernels `forward_fused` calls; returns the undo."""
+        model, saved_project, saved_attention = self.model, fused_module.project, fused_module.paged_attention
         ops, head, embed = model.fused_ops, model.lm_head, model.embed
 
         def gemm_kind(x: torch.Tensor, weight: Any) -> str:
@@ -62,8 +62,8 @@ class KernelTimer:
             def __getattr__(inner, name: str) -> Any:
                 return self.timed(name, getattr(ops, name))
 
-        llama_module.project = self.timed(gemm_kind, saved_project)
-        llama_module.paged_attention = self.timed("paged_decode_attention", saved_attention)
+        fused_module.project = self.timed(gemm_kind, saved_project)
+        fused_module.paged_attention = self.timed("paged_decode_attention", saved_attention)
         model.fused_ops = Ops()
         model.lm_head = self.timed(lambda x: f"lm head ({head.weight.form_for(x.shape[0])})"
                                    if hasattr(head.weight, "form_for") else "lm head", head)
@@ -76,7 +76,7 @@ class KernelTimer:
         model.fused_decode = False
 
         def undo() -> None:
-            llama_module.project, llama_module.paged_attention = saved_project, saved_attention
+            fused_module.project, fused_module.paged_attention = saved_project, saved_attention
             model.fused_ops, model.lm_head, model.embed, model.fused_decode = ops, head, embed, True
         return undo
 

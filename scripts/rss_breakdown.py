@@ -126,7 +126,7 @@ def main() -> None:
         print(f"| {kind} | {nbytes / 2**20:.1f} |")
     print(f"| KV pool | {kv_mib:.1f} |")
     print(f"| total | {(sum(tensors.values()) / 2**20 + kv_mib):.1f} |")
-    # The pool's pages become resident as blocks are first written (tokenloop.model.llama.zeroed_cpu_pool):
+    # The pool's pages become resident as blocks are first written (tokenloop.model.layers.kv.zeroed_cpu_pool):
     # after load it holds almost none. Written through, it holds all, as a long-running server's does.
     for key, value in core.runner.kv_caches:
         key.fill_(0)

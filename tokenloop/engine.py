@@ -77,7 +77,7 @@ class LLMEngine:
         return self.core.sampler
 
     @property
-    def model(self):  # noqa: ANN201 - tokenloop.model.llama.LlamaModel
+    def model(self):  # noqa: ANN201 - tokenloop.model.models.llama.LlamaModel
         return self.core.model
 
     @property

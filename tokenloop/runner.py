@@ -22,7 +22,7 @@ import torch
 
 from tokenloop.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenloop.model.attention import AttentionMetadata
-from tokenloop.model.llama import LlamaModel
+from tokenloop.model.models.llama import LlamaModel
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenloop.model.attention import AttentionMetadata
-from tokenloop.model.llama import LlamaModel
+from tokenloop.model.models.llama import LlamaModel
 
 
 @dataclass

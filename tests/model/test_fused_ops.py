@@ -13,7 +13,8 @@ from tests.model.test_loader import write_tiny_gguf
 from tokenloop.model import quantized
 from tokenloop.model.attention import AttentionMetadata, write_kv
 from tokenloop.model.cpu_kernels import paged_decode_kernels
-from tokenloop.model.llama import LlamaModel, apply_rope
+from tokenloop.model.layers.rotary import apply_rope
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
 from tokenloop.model.quantized import PackThresholds, QType
 

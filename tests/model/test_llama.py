@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import requires_default_model, write_tiny_llama
 from tests.model.paged_harness import PagedHarness, Sequence
-from tokenloop.model.llama import LlamaModel
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
 
 

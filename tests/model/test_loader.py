@@ -21,8 +21,6 @@ from tokenloop.model import loader
 from tokenloop.model.gguf_file import GGUFFile
 from tokenloop.model.loader import load_checkpoint
 
-_LAYER_TO_GGUF = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
-_GLOBAL_TO_GGUF = {v: k for k, v in loader._GGUF_GLOBAL_NAMES.items()}
 
 
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -32,9 +30,12 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
         weight.shape)
 
 
-def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arch: str = "llama") -> Path:
-    """Convert the tiny HF checkpoint into a GGUF file the way llama.cpp's converter lays it out."""
+def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arch: str | None = None) -> Path:
+    """Convert a tiny HF checkpoint into a GGUF file the way llama.cpp's converter lays it out (`arch`: the
+    `general.architecture` to write; default the checkpoint's model_type; names follow the model_type)."""
     config = json.loads((hf_dir / "config.json").read_text())
+    model_type = config["model_type"]
+    arch = arch or model_type
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = {token: index for token, index in tok["model"]["vocab"].items()}
     for added in tok.get("added_tokens", []):
@@ -50,7 +51,10 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_theta"])
+    if config.get("head_dim"):
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -61,17 +65,17 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
     writer.add_add_bos_token(False)
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    # The HF -> GGUF direction of the gguf package's own map: the converter's names, independent of the loader's.
+    names_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == model_type)
+    names = gguf.get_tensor_name_map(names_arch, config["num_hidden_layers"])
+    permuted = model_type == "llama"  # convert_hf_to_gguf interleaves Q/K rows of llama-arch models only
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         array = tensor.numpy()
-        if name.startswith("model.layers."):
-            _, _, index, rest = name.split(".", 3)
-            gguf_name = f"blk.{index}.{_LAYER_TO_GGUF[rest]}"
-            if rest == "self_attn.q_proj.weight":
-                array = _llama_cpp_permute(array, heads)
-            elif rest == "self_attn.k_proj.weight":
-                array = _llama_cpp_permute(array, kv_heads)
-        else:
-            gguf_name = _GLOBAL_TO_GGUF[name]
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if permuted and name.endswith("self_attn.q_proj.weight"):
+            array = _llama_cpp_permute(array, heads)
+        elif permuted and name.endswith("self_attn.k_proj.weight"):
+            array = _llama_cpp_permute(array, kv_heads)
         if array.ndim == 2 and tensor_type != QType.F32:  # norms stay F32, as in real files
             writer.add_tensor(gguf_name, quantize(array, tensor_type), raw_dtype=tensor_type)
         else:
@@ -178,8 +182,20 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 
 def test_unsupported_gguf_architecture(tiny_model_dir: Path, tmp_path: Path) -> None:
     path = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", arch="gpt2")
-    with pytest.raises(UnsupportedModelError, match=r"architecture 'gpt2' is not supported"):
+    with pytest.raises(UnsupportedModelError, match=r"architecture 'gpt2' is not supported \(llama, mistral, qwen2"):
         load_checkpoint(str(path))
+
+
+def test_hf_config_without_model_type_resolves_by_class_name(tiny_model_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, target)
+    config = json.loads((target / "config.json").read_text())
+    del config["model_type"]
+    (target / "config.json").write_text(json.dumps(dict(config, architectures=["MistralForCausalLM"])))
+    assert load_checkpoint(str(target)).config.architecture == "mistral"
+    (target / "config.json").write_text(json.dumps(dict(config, architectures=["BertModel"])))
+    with pytest.raises(UnsupportedModelError, match=r"model_type None is not supported \(llama, "):
+        load_checkpoint(str(target))
 
 
 def test_unknown_tensor_type_id(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from tests.model.paged_harness import PagedHarness, Sequence
 from tokenloop.bench.datasets import AGREEMENT_PROMPTS
 from tokenloop.model.attention import AttentionMetadata
 from tokenloop.model.int8_dot import int8_dot_available
-from tokenloop.model.llama import LlamaModel
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
 from tokenloop.model.quantized import PackedLinear, PackThresholds
 

@@ -18,7 +18,7 @@ import torch
 from tests.model.paged_harness import random_paged_step
 from tests.model.test_llama import _mixed_step_logits, _prompts
 from tokenloop.model.attention import AttentionMetadata, paged_attention
-from tokenloop.model.llama import LlamaModel
+from tokenloop.model.models.llama import LlamaModel
 
 triton = pytest.importorskip("triton")
 pytestmark = pytest.mark.triton

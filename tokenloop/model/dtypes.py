@@ -31,13 +31,17 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenloop.config import ModelConfig
 from tokenloop.errors import ConfigError
-from tokenloop.model.llama import LlamaModel
+from tokenloop.model import registry
 from tokenloop.model.quantized import GGMLTensor
+
+if TYPE_CHECKING:
+    from tokenloop.model.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +172,9 @@ def build_model(
     device: str,
     max_positions: int,
 ) -> LlamaModel:
-    """The model in the chosen forms."""
+    """The model of `config.architecture` (model/registry.py) in the chosen forms."""
     quantized = choice.weights == "quantized"
-    model = LlamaModel.from_weights(
+    model = registry.model_class(config.architecture).from_weights(
         config, weights, device=device, dtype=DTYPES[choice.activations], max_positions=max_positions,
         weight_dtype=None if quantized else DTYPES[choice.weights], quantized=quantized,
         dense_copy_dtype=DTYPES[choice.dense_copy],

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from tokenloop.config import DEFAULT_MODEL, SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from tokenloop.config import DEFAULT_MODEL, ModelConfig, RopeScaling
 from tokenloop.errors import ConfigError, ModelLoadError, ModelNotFoundError, UnsupportedModelError
+from tokenloop.model import registry
 from tokenloop.model.gguf_file import GGUFFile
 
 if TYPE_CHECKING:  # torch and the packed forms are imported by the loaders that make tensors: naming a
@@ -133,34 +134,9 @@ def _looks_like_gguf(path: Path) -> bool:
 
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GGUF_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": "rope_freqs",
-}
-
-
 def _gguf_config(gguf: GGUFFile) -> ModelConfig:
     meta = gguf.metadata
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{gguf.path}: architecture {arch!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
+    arch = registry.architecture(meta.get("general.architecture"), str(gguf.path)).name
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -214,7 +190,7 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _rope_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
     """The row order that undoes llama.cpp's Q/K permutation for this tensor, or None to keep it."""
     # convert_hf_to_gguf permutes Q/K for llama-arch files only (Qwen2 keeps the NeoX layout).
-    if config.architecture not in ("llama", "mistral"):
+    if not registry.architecture(config.architecture, "model").gguf_permutes_qk:
         return None
     if name.endswith("attn_q.weight") or name.endswith("attn_q.bias"):
         return _unpermute_rope_rows(np.arange(rows), config.num_heads)
@@ -228,22 +204,19 @@ def _load_gguf(path: Path, keep_quantized: bool = False,
     import torch
 
     from tokenloop.model.quantized import GGMLTensor
+    from tokenloop.model.weights import gguf_to_hf_names
     from tokenloop.tokenizer import Tokenizer
 
     gguf = GGUFFile(path)
     config = _gguf_config(gguf)
+    arch = registry.architecture(config.architecture, str(path))
+    names = gguf_to_hf_names(arch.gguf_arch, config.num_layers,
+                             registry.model_class(arch.name).tensor_names(config))
     weights: dict[str, torch.Tensor | GGMLTensor] = {}
     for name, info in gguf.tensors.items():
-        if name.startswith("blk."):
-            _, index, rest = name.split(".", 2)
-            target = _GGUF_LAYER_NAMES.get(rest)
-            if target is None:
-                raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for a {config.architecture} model")
-            hf_name = f"model.layers.{index}.{target}"
-        else:
-            hf_name = _GGUF_GLOBAL_NAMES.get(name)
-            if hf_name is None:
-                raise UnsupportedModelError(f"{path}: unexpected tensor {name!r}")
+        hf_name = names.get(name)
+        if hf_name is None:
+            raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for a {arch.name} model")
         order = _rope_row_order(name, info.shape[0], config)
         if keep_quantized and len(info.shape) == 2 and info.tensor_type not in _FLOAT_TYPES:
             # Blocks never span rows, so the permutation is undone on the raw rows, exactly.
@@ -268,19 +241,27 @@ def _hf_config(path: Path) -> ModelConfig:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{config_file}: invalid JSON ({exc})") from exc
-    arch = raw.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{config_file}: model_type {arch!r} is not supported ({', '.join(SUPPORTED_ARCHITECTURES)})")
-    scaling_raw = raw.get("rope_scaling") or {}
+    arch = registry.hf_architecture(raw, str(config_file)).name
+    # transformers >= 5 writes theta and scaling together as `rope_parameters`; older files, `rope_theta` and
+    # `rope_scaling` apart.
+    rope_raw = raw.get("rope_parameters") or {}
+    theta = rope_raw.get("rope_theta", raw.get("rope_theta", 10000.0))
+    scaling_raw = raw.get("rope_scaling") or {k: v for k, v in rope_raw.items()
+                                              if k not in ("rope_theta", "partial_rotary_factor")}
     scaling_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default"))
+    if scaling_type == "default":
+        scaling_raw = {}
     try:
         rope_scaling = RopeScaling(
             rope_type=scaling_type,
-            factor=float(scaling_raw.get("factor", 1.0)),
+            factor=float(scaling_raw.get("factor") or 1.0),
             low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
             high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(scaling_raw.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=int(scaling_raw.get("original_max_position_embeddings")
+                                                 or raw.get("original_max_position_embeddings") or 8192),
+            long_factor=tuple(float(x) for x in scaling_raw.get("long_factor") or ()),
+            short_factor=tuple(float(x) for x in scaling_raw.get("short_factor") or ()),
+            attention_factor=float(scaling_raw.get("attention_factor") or 0.0),
         ) if scaling_raw else RopeScaling()
         hidden = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])
@@ -294,11 +275,13 @@ def _hf_config(path: Path) -> ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=float(theta),
             rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+            partial_rotary_factor=float(rope_raw.get("partial_rotary_factor")
+                                        or raw.get("partial_rotary_factor") or 1.0),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{config_file}: missing field {exc.args[0]!r}") from exc

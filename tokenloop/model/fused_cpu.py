@@ -1,0 +1,142 @@
+"""The fused CPU forward, a capability a model declares: the layer of models/llama.py with the C++ elementwise
+kernels (csrc/fused_layer_ops.cpp: each residual add folded into the next RMSNorm, rotary + KV write in one),
+and for a pure decode step all layers in one C++ call (csrc/decode_layers.cpp), planned per row count.
+
+A family whose layer is Llama's plus something the kernels do not know (Qwen3's QK-norm) runs the per-layer
+path with that step in Python between kernels; only plain Llama layers run the one-call decode loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenloop.model.attention import AttentionMetadata, paged_attention
+from tokenloop.model.int8_dot import Int4DotWeight, Q8DotWeight
+from tokenloop.model.layers.linear import Weight, input_dtype, project
+from tokenloop.model.layers.norm import head_rms_norm_
+from tokenloop.model.quantized import Int4Weight, PackedLinear, Q8Weight
+
+if TYPE_CHECKING:
+    from tokenloop.model.models.llama import LayerWeights, LlamaModel
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The flat argument lists the C++ `decode_layers` takes, for the weight forms of one row count: per layer
+    the two norm weights, and per projection its matrix (a pack's codes, or a dense matrix) and the pack's
+    scales (torch's int4: bf16 scales and zeros; int8-dot: fp16; an empty tensor for a dense matrix)."""
+
+    norms: list[torch.Tensor]
+    matrices: list[torch.Tensor]
+    scales: list[torch.Tensor]
+
+
+_NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales
+
+
+def decode_projection(weight: Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(matrix, scales) of the form `weight` runs for `rows` rows, when `decode_layers` can run it the way
+    `project` does; None otherwise (an fp32-kernel Q8_0 pack, a padded pack, an fp16 matrix). Dense matrices may
+    be oneDNN-prepacked (`prepack_dense`)."""
+    if isinstance(weight, PackedLinear):
+        if weight.dense is None or rows <= weight.packed_max_rows:
+            return _unpadded_pack(weight.packed)
+        weight = weight.dense
+    return (weight, _NO_SCALES) if weight.dtype in (torch.float32, torch.bfloat16) else None
+
+
+def _unpadded_pack(pack: Int4Weight | Q8Weight | Int4DotWeight | Q8DotWeight) -> tuple[torch.Tensor,
+                                                                                    torch.Tensor] | None:
+    """A pack's (codes, scales) for `decode_layers`, which sizes outputs from the codes: unpadded packs only."""
+    if isinstance(pack, Int4Weight):
+        exact = pack.packed.shape[0] == pack.out_features and pack.packed.shape[1] * 2 == pack.in_features
+        return (pack.packed, pack.scales_zeros) if exact else None
+    if isinstance(pack, (Int4DotWeight, Q8DotWeight)):
+        tiles, blocks, _ = pack.codes.shape
+        exact = tiles * 16 == pack.out_features and blocks * 32 == pack.in_features
+        return (pack.codes, pack.scales) if exact else None
+    return None
+
+
+def layers_fusable(layers: list[LayerWeights]) -> bool:
+    """Whether the elementwise kernels can read every layer's GEMM outputs: fp32 or bf16 (so no fp16 matrix)
+    and no QKV bias."""
+    forms = (torch.float32, torch.bfloat16)
+    return all(layer.qkv_bias is None and all(isinstance(w, PackedLinear) or w.dtype in forms
+                                              for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+               for layer in layers)
+
+
+def plan_decode(layers: list[LayerWeights], rows: int) -> DecodePlan | None:
+    """The `decode_layers` arguments for a pure decode step of `rows` sequences, or None where some
+    projection's form for that many rows is one the C++ loop does not run."""
+    norms, matrices, scales = [], [], []
+    for layer in layers:
+        norms += [layer.input_norm, layer.post_attention_norm]
+        for weight in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            form = decode_projection(weight, rows)
+            if form is None:
+                return None
+            matrices.append(form[0])
+            scales.append(form[1])
+    return DecodePlan(norms, matrices, scales)
+
+
+def forward_fused(
+    model: LlamaModel,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    attn: AttentionMetadata,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    logits_indices: torch.Tensor | None,
+) -> torch.Tensor:
+    """`model.forward` on the CPU with the fused kernels: the same layer, with each residual add folded into
+    the next RMSNorm, the norms written in the next GEMM's input dtype, and rotary + KV write in one."""
+    cfg, ops, rope = model.config, model.fused_ops, model.rotary
+    assert ops is not None
+    num_tokens = input_ids.shape[0]
+    positions = positions.contiguous()
+    hidden = model.embed.index_select(0, input_ids).contiguous()  # the fp32 residual stream, updated in place
+    decode = attn.decode
+    plan = None
+    if model.fused_decode and decode is not None and decode.kernel is not None \
+            and decode.token_index.shape[0] == num_tokens:
+        plan = model.decode_plan(num_tokens)
+    if plan is not None:  # a pure decode step: the same sequence of kernels, with no Python between layers
+        assert decode is not None
+        final = torch.empty(num_tokens, cfg.hidden_size)
+        ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales,
+                          [cache for pair in kv_caches for cache in pair], positions, rope.cos, rope.sin,
+                          attn.slot_mapping, decode.block_table, decode.seq_lens, cfg.num_heads, cfg.num_kv_heads,
+                          cfg.head_dim, model.scale, cfg.rms_norm_eps, model.final_norm, final)
+        if logits_indices is not None:
+            final = final.index_select(0, logits_indices)
+        return model.lm_head(final)
+    delta = torch.empty(0)  # the previous layer's MLP output, added inside the next norm
+    q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim)
+    k = torch.empty(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    v = torch.empty_like(k)
+    eps = cfg.rms_norm_eps
+    for layer, (key_cache, value_cache) in zip(model.layers, kv_caches):
+        normed = torch.empty(num_tokens, cfg.hidden_size, dtype=input_dtype(layer.qkv, num_tokens))
+        ops.add_rms_norm(hidden, delta, layer.input_norm, eps, normed)
+        qkv = project(normed, layer.qkv)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            head_rms_norm_(qkv, layer.q_norm, layer.k_norm, cfg.num_heads, cfg.num_kv_heads, eps)
+        ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, attn.slot_mapping, key_cache, value_cache, q, k, v)
+        attended = paged_attention(q, k, v, key_cache, value_cache, attn, model.scale, kv_written=True)
+        normed = torch.empty(num_tokens, cfg.hidden_size, dtype=input_dtype(layer.gate_up, num_tokens))
+        ops.add_rms_norm(hidden, project(attended.view(num_tokens, -1), layer.o_proj), layer.post_attention_norm,
+                         eps, normed)
+        gate_up = project(normed, layer.gate_up)
+        activated = torch.empty(num_tokens, gate_up.shape[1] // 2, dtype=input_dtype(layer.down, num_tokens))
+        ops.silu_mul(gate_up, activated)
+        delta = project(activated, layer.down)
+    final = torch.empty(num_tokens, cfg.hidden_size)
+    ops.add_rms_norm(hidden, delta, model.final_norm, eps, final)
+    if logits_indices is not None:
+        final = final.index_select(0, logits_indices)
+    return model.lm_head(final)

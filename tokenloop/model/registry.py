@@ -1,0 +1,74 @@
+"""Architecture name -> model class: one line per family.
+
+A GGUF names its family in `general.architecture`, a Hugging Face directory in config.json's `model_type`
+(or, failing that, its `architectures` class names). Both resolve here, and nowhere else, to the class that
+builds and runs the model. The class is named as "module:Class" and imported only when a model is built, so
+reading a checkpoint's config (the front end, the CLI) stays free of torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenloop.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from tokenloop.model.models.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One supported family: its name, the class that runs it, and what its checkpoints look like."""
+
+    name: str  # GGUF general.architecture and HF model_type
+    model: str  # "module:Class"
+    hf_classes: tuple[str, ...]  # HF config.json `architectures`
+    gguf_names: str = ""  # the gguf package's MODEL_ARCH whose tensor names the files use ("": `name`)
+    gguf_permutes_qk: bool = False  # llama.cpp's converter interleaves Q/K rows (llama-arch files only)
+
+    @property
+    def gguf_arch(self) -> str:
+        return self.gguf_names or self.name
+
+
+_LLAMA = "tokenloop.model.models.llama:LlamaModel"
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("llama", _LLAMA, ("LlamaForCausalLM",), gguf_permutes_qk=True),
+    Architecture("mistral", _LLAMA, ("MistralForCausalLM",), gguf_names="llama", gguf_permutes_qk=True),
+    Architecture("qwen2", _LLAMA, ("Qwen2ForCausalLM",)),
+    Architecture("qwen3", "tokenloop.model.models.qwen3:Qwen3Model", ("Qwen3ForCausalLM",)),
+    Architecture("phi3", "tokenloop.model.models.phi3:Phi3Model", ("Phi3ForCausalLM",)),
+)}
+
+
+def supported() -> str:
+    """The supported names, for error messages."""
+    return ", ".join(ARCHITECTURES)
+
+
+def architecture(name: Any, source: str, field: str = "architecture") -> Architecture:
+    """The family called `name`, or UnsupportedModelError naming `source` and listing the supported ones."""
+    found = ARCHITECTURES.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise UnsupportedModelError(f"{source}: {field} {name!r} is not supported ({supported()})")
+    return found
+
+
+def hf_architecture(raw_config: dict[str, Any], source: str) -> Architecture:
+    """The family of an HF config.json: by `model_type`, or where it has none by its `architectures`."""
+    model_type = raw_config.get("model_type")
+    if model_type is not None:
+        return architecture(model_type, source, field="model_type")
+    for hf_class in raw_config.get("architectures") or ():
+        for arch in ARCHITECTURES.values():
+            if hf_class in arch.hf_classes:
+                return arch
+    return architecture(model_type, source, field="model_type")
+
+
+def model_class(name: str) -> type[LlamaModel]:
+    """The class that builds and runs architecture `name`."""
+    module, _, cls = architecture(name, "model").model.partition(":")
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,110 @@
+"""Checkpoint tensors -> a model's weights: GGUF names per architecture, and `WeightSource`.
+
+Weights travel under HF's names (`model.layers.0.self_attn.q_proj.weight`), whatever the file. A GGUF's names
+(`blk.0.attn_q.weight`) are translated with the `gguf` package's own per-architecture maps, which know where
+families differ (Gemma's `ffn_norm` is HF's `pre_feedforward_layernorm`, Llama's is `post_attention_layernorm`):
+the model class lists the HF names it may take and the map gives each one's GGUF name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import gguf
+import torch
+
+from tokenloop.errors import ModelLoadError
+from tokenloop.model.int8_dot import Q8DotWeight
+from tokenloop.model.layers.linear import Weight
+from tokenloop.model.quantized import (GGMLTensor, PackedLinear, PackThresholds, Q8Weight, QType,
+                                       QuantizedEmbedding, dense_weight, pack_linear)
+
+# Tensors with no HF counterpart (llama.cpp's precomputed rotary factors) keep their GGUF base name.
+_GGUF_ONLY = (gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.ROPE_FACTORS_LONG,
+              gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)
+
+
+def gguf_to_hf_names(gguf_arch: str, num_layers: int, hf_names: Iterable[str]) -> dict[str, str]:
+    """GGUF tensor name -> HF name, for the HF names a model of architecture `gguf_arch` may take."""
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == gguf_arch), None)
+    if arch is None:
+        raise ValueError(f"the gguf package knows no architecture {gguf_arch!r}")
+    tensor_map = gguf.get_tensor_name_map(arch, num_layers)
+    table: dict[str, str] = {}
+    for hf_name in hf_names:
+        gguf_name = tensor_map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"the gguf package has no {gguf_arch} name for {hf_name!r}")
+        table[gguf_name] = hf_name
+    for kind in _GGUF_ONLY:
+        if kind in gguf.MODEL_TENSORS[arch]:
+            table[gguf.TENSOR_NAMES[kind] + ".weight"] = gguf.TENSOR_NAMES[kind]
+    return table
+
+
+@dataclass
+class WeightSource:
+    """A checkpoint's HF-named tensors, handed out in the forms the model runs: `take` a vector or matrix,
+    `fuse` several projections into one matrix (Q/K/V, gate/up), packed for the quantized kernels where the
+    checkpoint's blocks allow. One tensor is converted at a time: the whole model never exists in float32
+    unless asked.
+
+    `dtype` is the activations' (norms, biases, embeddings), `matrix_dtype` the projections'. With
+    `quantized` (CPU only), `GGMLTensor` projections run packed (int4 / Q8_0) for small batches and in
+    `dense_copy_dtype` for large ones."""
+
+    weights: Mapping[str, torch.Tensor | GGMLTensor]
+    device: str | torch.device = "cpu"
+    dtype: torch.dtype = torch.float32
+    matrix_dtype: torch.dtype = torch.float32
+    quantized: bool = False
+    thresholds: PackThresholds = field(default_factory=PackThresholds)
+    dense_copy_dtype: torch.dtype = torch.bfloat16
+
+    def has(self, name: str) -> bool:
+        return name in self.weights
+
+    def raw(self, name: str) -> torch.Tensor | GGMLTensor:
+        if name not in self.weights:
+            raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
+        return self.weights[name]
+
+    def take(self, name: str, as_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One tensor, dense, in `as_dtype` (default: the activations')."""
+        return dense_weight(self.raw(name), as_dtype or self.dtype).to(self.device)
+
+    def fuse(self, names: list[str], as_dtype: torch.dtype | None = None) -> Weight:
+        """The named matrices stacked by rows into one projection (packed when all are quantized blocks)."""
+        parts = [self.raw(n) for n in names]
+        if self.quantized and all(isinstance(p, GGMLTensor) for p in parts):
+            joined = GGMLTensor.concat(parts)  # type: ignore[arg-type]
+            if joined is not None:
+                return pack_linear(joined, self.thresholds, dense_dtype=self.dense_copy_dtype)
+        return torch.cat([self.take(n, as_dtype or self.matrix_dtype) for n in names], dim=0).contiguous()
+
+    def embedding_and_head(self, embed_name: str, head_name: str, tied: bool,
+                           ) -> tuple[torch.Tensor | QuantizedEmbedding, Weight]:
+        """The token embedding and the LM head; a tied head reads the embedding's tensor, and where both run
+        in the same form one copy serves both."""
+        tied = tied or not self.has(head_name)
+        head_raw = self.raw(embed_name if tied else head_name)
+        lm_head: Weight
+        if self.quantized and isinstance(head_raw, GGMLTensor):
+            # Logits in fp32: bf16 logits (steps of 1/8 near |20|) cost ~1% of greedy top-1 agreement.
+            lm_head = pack_linear(head_raw, self.thresholds, dense_dtype=torch.float32)
+        else:
+            lm_head = self.take(embed_name if tied else head_name, self.matrix_dtype).contiguous()
+        embed_raw = self.raw(embed_name)
+        embed: torch.Tensor | QuantizedEmbedding
+        fp32 = self.dtype == torch.float32  # the quantized lookup yields fp32 rows
+        if fp32 and tied and isinstance(lm_head, PackedLinear) and isinstance(lm_head.packed,
+                                                                              (Q8Weight, Q8DotWeight)):
+            embed = QuantizedEmbedding(lm_head.packed)
+        elif fp32 and self.quantized and isinstance(embed_raw, GGMLTensor) and embed_raw.tensor_type == QType.Q8_0:
+            embed = QuantizedEmbedding(Q8Weight.from_q8(embed_raw))  # rows dequantized at lookup: exact
+        else:
+            embed = self.take(embed_name).contiguous()
+        if tied and self.matrix_dtype == self.dtype and isinstance(embed, torch.Tensor) and not self.quantized:
+            lm_head = embed  # one copy serves both
+        return embed, lm_head
