@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloop.config import ModelConfig, RopeScaling
+from tokenloop.core.heartbeat import Progress
 from tokenloop.errors import ModelLoadError
 from tokenloop.model.attention import AttentionMetadata, paged_attention, triton_attention_kernels
 from tokenloop.model.cpu_kernels import paged_decode_kernels
@@ -209,6 +210,9 @@ class LlamaModel:
         # A pure decode step runs all layers in one C++ call (csrc/decode_layers.cpp), planned per row count.
         self.fused_decode = self.fused_ops is not None and hasattr(self.fused_ops, "decode_layers")
         self._decode_plans: dict[int, DecodePlan | None] = {}
+        # Ticked after every layer: a long prefill shows progress to the core's heartbeat (a hang does not).
+        # The fused decode path runs its layers in one native call and ticks with the loop's turn instead.
+        self.progress = Progress()
 
     def _fusable(self) -> bool:
         forms = (torch.float32, torch.bfloat16)
@@ -361,6 +365,7 @@ class LlamaModel:
         sin = self.rope_sin.index_select(0, positions).unsqueeze(1)
 
         hidden = self.embed.index_select(0, input_ids)
+        tick = self.progress.tick
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             normed = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(normed, layer.qkv, layer.qkv_bias)
@@ -374,6 +379,7 @@ class LlamaModel:
             normed = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
             gate, up = linear(normed, layer.gate_up).chunk(2, dim=-1)
             hidden = hidden + linear(F.silu(gate) * up, layer.down)
+            tick()
 
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
@@ -414,6 +420,7 @@ class LlamaModel:
         k = torch.empty(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = torch.empty_like(k)
         eps = cfg.rms_norm_eps
+        tick = self.progress.tick
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             normed = torch.empty(num_tokens, cfg.hidden_size, dtype=input_dtype(layer.qkv, num_tokens))
             ops.add_rms_norm(hidden, delta, layer.input_norm, eps, normed)
@@ -427,6 +434,7 @@ class LlamaModel:
             activated = torch.empty(num_tokens, gate_up.shape[1] // 2, dtype=input_dtype(layer.down, num_tokens))
             ops.silu_mul(gate_up, activated)
             delta = project(activated, layer.down)
+            tick()
         final = torch.empty(num_tokens, cfg.hidden_size)
         ops.add_rms_norm(hidden, delta, self.final_norm, eps, final)
         if logits_indices is not None:
