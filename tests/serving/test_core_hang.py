@@ -1,5 +1,5 @@
 """A core that hangs without exiting is found by its heartbeat, killed, and handled as a dead one; a step
-that is merely long (a slow model, layer after layer) is not a hang."""
+that is merely long (a slow model, layer after layer) is not a hang; nothing is left behind."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tests.serving.conftest import SLOW_STEP_S, wait_for_health
 from tests.serving.test_core_process import _alive, _core_pid, assert_health_503, fault_mid_stream, serve_process
 from tokenloop.core.heartbeat import HangWatch
 from tokenloop.core.messages import CoreHeartbeat
+from tokenloop.core.private_dir import PrivateDir
 from tokenloop.errors import ConfigError, EngineStoppedError, RequestFailedError
 from tokenloop.llm import build_engine_config
 from tokenloop.request import SamplingParams
@@ -188,3 +189,30 @@ def test_a_stopped_core_fails_streams_answers_503_and_the_server_exits_non_zero(
             process.wait()
         if core is not None and _alive(core):
             os.kill(core, signal.SIGKILL)
+
+
+def test_a_killed_servers_socket_directory_is_reaped_by_the_next(tiny_model_dir: Path) -> None:
+    port = free_port()
+    process = serve_process(tiny_model_dir, port)
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}", process)
+        core = _core_pid(process.pid)
+        directory = _server_dir(process.pid)
+        PrivateDir.create().remove()  # what the next server to start does first: a live server's stays
+        assert directory.exists()
+        process.kill()  # SIGKILL: nothing of the server's cleanup runs
+        process.wait()
+        deadline = time.monotonic() + 10
+        while _alive(core):  # the core sees its parent gone and exits; its end frees the directory's lock
+            assert time.monotonic() < deadline, "the core outlived its server"
+            time.sleep(0.05)
+        assert directory.exists()
+        # Its main thread gone, the core's last threads may still hold the lock a moment: a later start reaps.
+        while directory.exists():
+            assert time.monotonic() < deadline, "the dead server's directory was never reaped"
+            PrivateDir.create().remove()
+            time.sleep(0.05)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenloop.cluster.ray_actor import CoreActor
 from tokenloop.core.heartbeat import DEFAULT_HANG_TIMEOUT_S
+from tokenloop.core.private_dir import RAY_PREFIX, PrivateDir
 from tokenloop.errors import ConfigError
 from tokenloop.serving.core_client import CoreSockets
 
@@ -56,12 +57,17 @@ class RayCluster:
 
     address: str | None  # the cluster joined, or None for a local instance
     initialized_here: bool  # False when Ray was already up in this process (a test's, a caller's)
+    # A local instance's session (sockets, logs), in a dir this process keeps locked: a server killed with
+    # SIGKILL takes Ray's processes with it (Ray shares their fate with ours), and the next server reaps it.
+    directory: PrivateDir | None = None
 
     def stop(self) -> None:
         """Disconnect (a local instance we started stops with it; a joined cluster keeps running)."""
         ray = import_ray()
         if self.initialized_here and ray.is_initialized():
             ray.shutdown()
+        if self.directory is not None:
+            self.directory.remove()
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, *, connect_timeout_s: float = 5.0,
@@ -80,8 +86,14 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, *, connec
     if ray.is_initialized():
         return RayCluster(address, initialized_here=False)
     if address is None:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
-        return RayCluster(None, initialized_here=True)
+        directory = PrivateDir.create(RAY_PREFIX)
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
+                     _temp_dir=directory.path)
+        except BaseException:
+            directory.remove()
+            raise
+        return RayCluster(None, initialized_here=True, directory=directory)
     try:
         ray.init(address=address, log_to_driver=log_to_driver)
     except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError for a bad address

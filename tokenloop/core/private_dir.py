@@ -19,7 +19,9 @@ import tempfile
 
 logger = logging.getLogger(__name__)
 
-CORE_PREFIX = "tokenloop-core-"
+CORE_PREFIX = "tokenloop-core-"  # an engine core's sockets (one per core process, replica or Ray actor)
+RAY_PREFIX = "tokenloop-ray-"  # the session of a local Ray instance a server started
+OUR_PREFIXES = (CORE_PREFIX, RAY_PREFIX)  # what any of them reaps when it makes its own
 LOCK_NAME = "owner.lock"
 _NEW_LOCK_NAME = ".owner.lock.new"  # locked before it is renamed to LOCK_NAME: a reaper never sees it free
 
@@ -33,8 +35,10 @@ class PrivateDir:
 
     @classmethod
     def create(cls, prefix: str = CORE_PREFIX, base: str | None = None) -> PrivateDir:
-        """Reap the dead owners' directories named `prefix*` in `base` (the temp dir), then make ours."""
-        reap_dead(prefix, base)
+        """Reap the dead owners' directories named `prefix*` (and of tokenloop's other kinds) in `base` (the
+        temp dir), then make ours."""
+        for kind in {prefix, *OUR_PREFIXES}:
+            reap_dead(kind, base)
         path = tempfile.mkdtemp(prefix=prefix, dir=base)
         fd = os.open(os.path.join(path, _NEW_LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
         try:

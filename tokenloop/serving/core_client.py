@@ -6,7 +6,8 @@ loop (`AsyncEngine`'s engine thread) drives either:
     client.send([AddRequests(...), FinishRequests(...)])   # applied in order, between two steps
     poller waits on client.pollables() (and the front end's own wakeup) for client.poll_timeout_ms()
     for frame in client.receive(): ...                      # one frame per core step
-    client.death()                                          # why the core is gone, or None
+    client.death()                                          # why the core is gone (dead, or hung and
+                                                            # killed), or None
 """
 
 from __future__ import annotations
