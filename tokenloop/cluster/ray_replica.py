@@ -183,9 +183,9 @@ class RayCoreClient:
                 name=self.actor_name, num_cpus=num_cpus, max_restarts=0, scheduling_strategy=here).remote()
             self._wait_placed(num_cpus, placement_timeout_s)
             sockets = self._sockets
+            heartbeat = (sockets.heartbeat_address, sockets.heartbeat_interval_s)
             self._serve_ref = self.actor.serve.remote(config, checkpoint, sockets.input_address,
-                                                      sockets.output_address, level,
-                                                      (sockets.heartbeat_address, sockets.heartbeat_interval_s))
+                                                      sockets.output_address, level, heartbeat)
             self._watcher = threading.Thread(target=self._watch, name=f"{self.actor_name}-watcher",
                                              daemon=True)
             self._watcher.start()

@@ -65,7 +65,8 @@ def start_core_process(config: EngineConfig, checkpoint: Checkpoint | None = Non
     directory = PrivateDir.create()  # mode 0700: only this user reaches the sockets
     input_address, output_address = socket_addresses(directory.path)
     level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
-    heartbeat = None if heartbeat_interval_s is None else (heartbeat_address(directory.path), heartbeat_interval_s)
+    heartbeat = (None if heartbeat_interval_s is None
+                 else (heartbeat_address(directory.path), heartbeat_interval_s))
     process = multiprocessing.get_context(start_method).Process(
         target=_run_core_process, name="tokenloop-engine-core", daemon=True,
         args=(config, checkpoint, input_address, output_address, os.getpid(), level, heartbeat))

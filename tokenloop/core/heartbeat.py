@@ -1,4 +1,4 @@
-"""The engine core's liveness: a progress counter, the heartbeat that carries it, and the watch that judges it.
+"""The engine core's liveness: a progress counter, the heartbeat that carries it, the watch that judges it.
 
 A core can stop without exiting (SIGSTOP, a deadlock, a busy loop, a native call that holds the GIL). Its
 process sentinel never fires then, so the front end watches progress instead:
