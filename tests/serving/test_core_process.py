@@ -11,7 +11,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -188,48 +188,64 @@ def _core_pid(server_pid: int) -> int:
     raise AssertionError("no engine core process found")
 
 
+def serve_process(model_dir: Path, port: int, *flags: str) -> subprocess.Popen[str]:
+    """`tokenloop serve` of the tiny model on 127.0.0.1:`port`, every step >= 50 ms (requests stay in flight
+    for a fault on any machine)."""
+    return subprocess.Popen([sys.executable, "-m", "tokenloop", "serve", "--model", str(model_dir), "--port", str(port),
+                             "--host", "127.0.0.1", "--block-size", "4", "--num-kv-blocks", "256", "--log-level",
+                             "warning", *flags], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO), STEP_DELAY_ENV: str(SLOW_STEP_S)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def fault_mid_stream(url: str, model_dir: Path, fault: Callable[[], None]) -> tuple[list[str], float, httpx.Response]:
+    """With a plain and a streamed 900-token request in flight, run `fault`; the stream's data payloads, the
+    seconds it took to end after the fault, and the plain request's response."""
+    body = {"model": str(model_dir), "prompt": "hello world", "max_tokens": 900, "ignore_eos": True}
+    plain: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: plain.update(
+        response=httpx.post(url + "/v1/completions", json=body, timeout=60)))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while _metric(url, "tokenloop:num_requests_running") < 1:  # in flight before the fault
+        assert time.monotonic() < deadline, "the plain request never started"
+        time.sleep(0.02)
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert "choices" in first
+        fault()
+        faulted = time.monotonic()
+        payloads = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    took = time.monotonic() - faulted
+    waiter.join(30)
+    return payloads, took, plain["response"]
+
+
+def assert_health_503(url: str) -> None:
+    try:
+        assert httpx.get(url + "/health", timeout=2).status_code == 503
+    except httpx.HTTPError:
+        pass  # already gone: as good as a 503 to a load balancer
+
+
 def test_killing_the_core_fails_streams_at_once_and_the_server_exits_non_zero(tiny_model_dir: Path) -> None:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "tokenloop", "serve", "--model", str(tiny_model_dir),
-                                "--port", str(port), "--host", "127.0.0.1", "--block-size", "4",
-                                "--num-kv-blocks", "256", "--log-level", "warning"], cwd=REPO,
-                               # 900 tokens at >= 50 ms a step: both requests in flight at the kill, on any machine
-                               env={**os.environ, "PYTHONPATH": str(REPO), STEP_DELAY_ENV: str(SLOW_STEP_S)},
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = serve_process(tiny_model_dir, port)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for_health(url, process)
         core = _core_pid(process.pid)
-        body = {"model": str(tiny_model_dir), "prompt": "hello world", "max_tokens": 900, "ignore_eos": True}
-        plain: dict[str, Any] = {}
-        waiter = threading.Thread(target=lambda: plain.update(
-            response=httpx.post(url + "/v1/completions", json=body, timeout=30)))
-        waiter.start()
-        deadline = time.monotonic() + 10
-        while _metric(url, "tokenloop:num_requests_running") < 1:  # in flight before the core dies
-            assert time.monotonic() < deadline, "the plain request never started"
-            time.sleep(0.02)
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            assert "choices" in first
-            os.kill(core, signal.SIGKILL)
-            killed = time.monotonic()
-            payloads = [line[len("data: "):] for line in lines if line.startswith("data: ")]
-        took = time.monotonic() - killed
+        payloads, took, plain = fault_mid_stream(url, tiny_model_dir, lambda: os.kill(core, signal.SIGKILL))
         assert took < 1.0, f"the stream took {took:.2f} s to end after the core died"
         assert payloads[-1] == "[DONE]"
         error = json.loads(payloads[-2])["error"]
         assert error["type"] == "server_error"
         assert "the engine core process died (exit code -9)" in error["message"]
-        waiter.join(10)
-        assert plain["response"].status_code >= 500
-        assert "engine core process died" in plain["response"].json()["error"]["message"]
-        try:
-            assert httpx.get(url + "/health", timeout=2).status_code == 503
-        except httpx.HTTPError:
-            pass  # already gone: as good as a 503 to a load balancer
+        assert plain.status_code >= 500
+        assert "engine core process died" in plain.json()["error"]["message"]
+        assert_health_503(url)
         assert process.wait(timeout=30) == 3
     finally:
         if process.poll() is None:

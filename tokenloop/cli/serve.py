@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from tokenloop.cli.options import LOG_LEVELS, add_engine_args, _engine_options, load_engine, parse_size
+from tokenloop.core.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
 logger = logging.getLogger("tokenloop")
 
@@ -34,6 +35,11 @@ def add_serve_subparser(commands: Any) -> argparse.ArgumentParser:
                      help="seconds in-flight requests get to finish on shutdown before they are aborted")
     net.add_argument("--engine-core", choices=("process", "thread"), default="process",
                      help="run the engine core in its own process (default) or on a thread of the server's")
+    net.add_argument("--hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S, metavar="SECONDS",
+                     help="an engine core (or replica) whose heartbeat shows no progress this long is hung: "
+                          "it is killed and handled as a dead one (the server exits 3; a replica fails "
+                          "over). Progress is counted per model layer, so a long step is no hang "
+                          f"(default {DEFAULT_HANG_TIMEOUT_S:g}; 0: never; at least 1)")
     _add_cluster_args(serve)
     _add_limit_args(serve)
     tracing = serve.add_argument_group("tracing")
@@ -69,19 +75,22 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
 def _cluster_options(args: argparse.Namespace):  # noqa: ANN202 - ClusterOptions, imported lazily
     """The replica set to start, or None for one engine core (a bad cluster flag is an error either way)."""
     from tokenloop.config import ROUTER_NAMES  # not the router itself: nothing starts before the core
+    from tokenloop.core.heartbeat import check_hang_timeout
     from tokenloop.errors import ConfigError
 
     if args.router not in ROUTER_NAMES:
         raise ConfigError(f"unknown router {args.router!r} (valid: {', '.join(ROUTER_NAMES)})")
     if args.ray_address and args.cluster != "ray":
         raise ConfigError("--ray-address needs --cluster ray")
+    check_hang_timeout(args.hang_timeout)
     if args.replicas == 1 and args.cluster == "local" and not args.prefill_replicas:
         return None
     from tokenloop.cluster.launch import ClusterOptions
 
     return ClusterOptions(replicas=args.replicas, cluster=args.cluster, router=args.router,
                           failover=args.failover, restart=not args.no_restart, rebalance=args.rebalance,
-                          prefill_replicas=args.prefill_replicas, ray_address=args.ray_address)
+                          prefill_replicas=args.prefill_replicas, ray_address=args.ray_address,
+                          hang_timeout_s=args.hang_timeout)
 
 
 def _start_core_process(args: argparse.Namespace, name: str, limits: Any,  # noqa: ANN202 - AsyncEngine
@@ -103,9 +112,11 @@ def _start_core_process(args: argparse.Namespace, name: str, limits: Any,  # noq
         logger.info("%d engine replicas (%s, router %s) ready in %.1f s", cluster.replicas, cluster.cluster,
                     cluster.router, time.perf_counter() - begin)
         return async_engine
-    client = None if started is None else CoreProcessClient(config, started=started, wait=False)
+    client = None if started is None else CoreProcessClient(config, started=started, wait=False,
+                                                            hang_timeout_s=args.hang_timeout)
     async_engine = AsyncEngine.with_core_process(config, EngineMetrics(name), tracer=tracer, client=client,
-                                                 max_stream_backlog=limits.max_stream_backlog)
+                                                 max_stream_backlog=limits.max_stream_backlog,
+                                                 hang_timeout_s=args.hang_timeout)
     info = async_engine.client.info
     if started is not None:
         begin = started.started_s
@@ -127,9 +138,11 @@ def _serve(args: argparse.Namespace) -> int:
         # running); it imports the engine and loads the model while this process imports the server.
         from tokenloop.config import build_engine_config
         from tokenloop.core.core_launch import start_core_process
+        from tokenloop.core.heartbeat import heartbeat_interval_s
 
         config = build_engine_config(args.model, **_engine_options(args))
-        started = start_core_process(config, start_method="fork")
+        beat = heartbeat_interval_s(args.hang_timeout) if args.hang_timeout else None
+        started = start_core_process(config, start_method="fork", heartbeat_interval_s=beat)
     from tokenloop.serving.api import create_app
     from tokenloop.serving.limits import resolve_api_key
     from tokenloop.serving.server import serve_forever

@@ -14,6 +14,7 @@ from tokenloop.cluster.load import LoadTracker
 from tokenloop.cluster.router import RouterConfig, make_router
 
 from tokenloop.cluster.replica_set import FAILOVER_MODES, ReplicaSet
+from tokenloop.core.heartbeat import DEFAULT_HANG_TIMEOUT_S, check_hang_timeout
 from tokenloop.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class ClusterOptions:
     lease_s: float = 30.0
     precopy: bool = True  # live migration copies full blocks while the request decodes, then the tail
     rebalance: bool = False  # move requests queued behind a full replica to one with a free slot
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S  # a replica without progress this long counts as dead
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -50,6 +52,7 @@ class ClusterOptions:
                                       f"{', '.join(FAILOVER_MODES)}")
         if self.ray_address is not None and self.cluster != "ray":
             raise InvalidRequestError("--ray-address needs --cluster ray")
+        check_hang_timeout(self.hang_timeout_s)
         if self.prefill_replicas and self.prefill_replicas >= self.replicas:
             raise InvalidRequestError(f"--prefill-replicas {self.prefill_replicas} leaves no decode replica of "
                                       f"{self.replicas}")
@@ -119,12 +122,14 @@ def _client_factory(config: EngineConfig, options: ClusterOptions, checkpoint: C
         closers.append(ray_cluster.stop)  # stops only a Ray instance this process started
 
         def ray_actor(index: int) -> Any:
-            return RayCoreClient(config, checkpoint, replica=index, startup_timeout_s=startup_timeout_s)
+            return RayCoreClient(config, checkpoint, replica=index, startup_timeout_s=startup_timeout_s,
+                                 hang_timeout_s=options.hang_timeout_s)
 
         return ray_actor
     from tokenloop.serving.core_client import CoreProcessClient
 
     def local_process(index: int) -> Any:
-        return CoreProcessClient(config, checkpoint, startup_timeout_s=startup_timeout_s)
+        return CoreProcessClient(config, checkpoint, startup_timeout_s=startup_timeout_s,
+                                 hang_timeout_s=options.hang_timeout_s)
 
     return local_process

@@ -25,10 +25,12 @@ class CoreActor:
         return os.getpid()
 
     def serve(self, config: EngineConfig, checkpoint: Checkpoint | None, input_address: str,
-              output_address: str, log_level: int = logging.INFO) -> int:
+              output_address: str, log_level: int = logging.INFO,
+              heartbeat: tuple[str, float] | None = None) -> int:
         """Build the core, connect to the front end's sockets and serve until `Shutdown`: 0, or 1 if
-        building failed (the reason went out as `CoreReady.error`)."""
+        building failed (the reason went out as `CoreReady.error`). `heartbeat`: (address, interval)."""
         logging.getLogger("tokenloop").setLevel(log_level)
         # Nothing to watch for here: Ray kills a (non-detached) actor when its owner, the front end's
         # driver, dies, as the engine process's parent-pid check does for it.
-        return run_core(config, checkpoint, input_address, output_address, should_stop=lambda: False)
+        return run_core(config, checkpoint, input_address, output_address, should_stop=lambda: False,
+                        heartbeat=heartbeat)

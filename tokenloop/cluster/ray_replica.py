@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenloop.cluster.ray_actor import CoreActor
+from tokenloop.core.heartbeat import DEFAULT_HANG_TIMEOUT_S
+from tokenloop.core.private_dir import RAY_PREFIX, PrivateDir
 from tokenloop.errors import ConfigError
 from tokenloop.serving.core_client import CoreSockets
 
@@ -55,12 +57,17 @@ class RayCluster:
 
     address: str | None  # the cluster joined, or None for a local instance
     initialized_here: bool  # False when Ray was already up in this process (a test's, a caller's)
+    # A local instance's session (sockets, logs), in a dir this process keeps locked: a server killed with
+    # SIGKILL takes Ray's processes with it (Ray shares their fate with ours), and the next server reaps it.
+    directory: PrivateDir | None = None
 
     def stop(self) -> None:
         """Disconnect (a local instance we started stops with it; a joined cluster keeps running)."""
         ray = import_ray()
         if self.initialized_here and ray.is_initialized():
             ray.shutdown()
+        if self.directory is not None:
+            self.directory.remove()
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, *, connect_timeout_s: float = 5.0,
@@ -79,8 +86,14 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, *, connec
     if ray.is_initialized():
         return RayCluster(address, initialized_here=False)
     if address is None:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver)
-        return RayCluster(None, initialized_here=True)
+        directory = PrivateDir.create(RAY_PREFIX)
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=log_to_driver,
+                     _temp_dir=directory.path)
+        except BaseException:
+            directory.remove()
+            raise
+        return RayCluster(None, initialized_here=True, directory=directory)
     try:
         ray.init(address=address, log_to_driver=log_to_driver)
     except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError for a bad address
@@ -141,7 +154,7 @@ class RayCoreClient:
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None, *, replica: int = 0,
                  num_cpus: float = 1.0, startup_timeout_s: float = 300.0, placement_timeout_s: float = 60.0,
-                 log_level: int | None = None) -> None:
+                 log_level: int | None = None, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
         ray = import_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -151,8 +164,9 @@ class RayCoreClient:
         self.actor_name = f"tokenloop-replica-{replica}-{uuid.uuid4().hex[:8]}"
         self.name = f"the engine core actor of replica {replica} ({self.actor_name})"
         self._ray = ray
-        self._sockets = CoreSockets()
+        self._sockets = CoreSockets(hang_timeout_s=hang_timeout_s)
         self._death: str | None = None
+        self._hang: str | None = None  # why it was killed as hung
         self._died = threading.Event()
         self._lock = threading.Lock()  # the pipe's write end is closed only once the watcher cannot write
         self._death_read, self._death_write = os.pipe()
@@ -168,8 +182,10 @@ class RayCoreClient:
             self.actor = ray.remote(CoreActor).options(
                 name=self.actor_name, num_cpus=num_cpus, max_restarts=0, scheduling_strategy=here).remote()
             self._wait_placed(num_cpus, placement_timeout_s)
-            self._serve_ref = self.actor.serve.remote(config, checkpoint, self._sockets.input_address,
-                                                      self._sockets.output_address, level)
+            sockets = self._sockets
+            heartbeat = (sockets.heartbeat_address, sockets.heartbeat_interval_s)
+            self._serve_ref = self.actor.serve.remote(config, checkpoint, sockets.input_address,
+                                                      sockets.output_address, level, heartbeat)
             self._watcher = threading.Thread(target=self._watch, name=f"{self.actor_name}-watcher",
                                              daemon=True)
             self._watcher.start()
@@ -219,10 +235,20 @@ class RayCoreClient:
         return [self._sockets.outputs, self._death_read]
 
     def poll_timeout_ms(self) -> int | None:
-        return None  # the core steps on its own; its frames and its death both wake the poller
+        # The core steps on its own; its frames and its death both wake the poller, its hang the timeout.
+        return self._sockets.watch.timeout_ms()
 
     def death(self) -> str | None:
-        return self._death
+        if self._hang is not None or self._death is not None:
+            return self._hang or self._death
+        hang = self._sockets.hang()
+        if hang is not None:  # a stuck actor is killed, as a dead one's is on close
+            self._hang = f"{self.name}: {hang}; it was killed"
+            try:
+                self._ray.kill(self.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - Ray itself is gone: so is the actor
+                logger.debug("could not kill %s", self.actor_name, exc_info=True)
+        return self._hang
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Ask the core to shut down, wait for it, kill the actor, and remove the sockets (idempotent)."""

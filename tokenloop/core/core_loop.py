@@ -13,10 +13,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tokenloop.core.heartbeat import Progress
 from tokenloop.core.messages import (
     AddRequests,
     CallResult,
@@ -69,6 +72,40 @@ def _inject_step_delay(core: EngineCore, seconds: float) -> None:
     core.injected_step_delay_s = float(seconds)
 
 
+class _SlowLayers:
+    """Fault injection: a model whose every layer takes `delay_s` longer, ticking its progress as it goes."""
+
+    def __init__(self, progress: Progress, delay_s: float) -> None:
+        self.progress, self.delay_s = progress, delay_s
+
+    def tick(self) -> None:
+        time.sleep(self.delay_s)
+        self.progress.tick()
+
+
+def _inject_layer_delay(core: EngineCore, seconds: float) -> None:
+    """Every layer of the model's Python forward sleeps `seconds` first: a slow model, whose long steps
+    still show progress layer by layer (the fused one-call decode path has no layers to slow)."""
+    if not 0.0 <= seconds <= 60.0:
+        raise ValueError(f"inject_layer_delay takes 0-60 s, not {seconds!r}")
+    if core.model is None:
+        raise ValueError("inject_layer_delay needs a model (not the simulator's stand-in)")
+    core.model.progress = _SlowLayers(core.progress, seconds) if seconds else core.progress
+
+
+def _inject_hang(core: EngineCore, kind: str) -> None:
+    """Fault injection: the core's main thread never comes back, as a bug would hang it ("busy": a loop
+    that spins; "deadlock": waiting on a lock nobody releases). Only the front end's hang watch ends it."""
+    if kind == "busy":
+        while True:
+            pass
+    if kind == "deadlock":
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()
+    raise ValueError(f"inject_hang takes 'busy' or 'deadlock', not {kind!r}")
+
+
 UTILITIES: dict[str, Callable[..., Any]] = {
     "has_unfinished_requests": lambda core: core.has_unfinished_requests(),
     "num_unfinished_requests": lambda core: core.num_unfinished_requests,
@@ -80,6 +117,8 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "kv_facts": _kv_facts,
     "ping": lambda core: True,
     "inject_step_delay": _inject_step_delay,  # fault injection: every step sleeps first (tests, the soak)
+    "inject_layer_delay": _inject_layer_delay,  # fault injection: a slow model, progress per layer
+    "inject_hang": _inject_hang,  # fault injection: the main thread hangs for good (the hang watch's test)
     # Handoff (tokenloop.core.handoff): the EngineCore methods of the same names.
     "export_request": lambda core, request_id, skip_hashes=(), lease_s=30.0: core.export_request(
         request_id, skip_hashes, lease_s),

@@ -8,7 +8,9 @@ their locks mid-state). The core builds its EngineCore, sends `CoreReady`, then:
     receive every pending message (without blocking while busy; polling while idle) -> apply them in order
     -> step when there is work -> send one `CoreFrame` (outputs, records, answers)
 
-It exits on `Shutdown`, or on its own when the parent process is gone (its parent pid changes). `run_core`
+It exits on `Shutdown`, or on its own when the parent process is gone (its parent pid changes). A heartbeat
+thread tells the front end that the loop still makes progress, so a core that hangs without exiting is
+noticed too (`tokenloop.core.heartbeat`). `run_core`
 is the same loop for any host of the core (a Ray actor too), told by a callable when to give up.
 """
 
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from tokenloop.core import wire
+from tokenloop.core.heartbeat import HeartbeatThread
 from tokenloop.core.messages import CoreReady
 from tokenloop.heap import settle_startup_heap
 
@@ -42,22 +45,26 @@ _SEND_LINGER_MS = 2000  # the last frame (the shutdown's finals) still reaches t
 
 
 def run_core_process(config: EngineConfig, checkpoint: Checkpoint | None, input_address: str,
-                     output_address: str, parent_pid: int, log_level: int = logging.INFO) -> None:
+                     output_address: str, parent_pid: int, log_level: int = logging.INFO,
+                     heartbeat: tuple[str, float] | None = None) -> None:
     """The engine process's main (the spawn target). Exit status 0 after a shutdown, 1 if building failed."""
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # force: a forked core inherits the front end's handlers, and its lines must still say [core]
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s",
                         force=True)
-    sys.exit(run_core(config, checkpoint, input_address, output_address, lambda: _parent_gone(parent_pid)))
+    sys.exit(run_core(config, checkpoint, input_address, output_address, lambda: _parent_gone(parent_pid),
+                      heartbeat))
 
 
 def run_core(config: EngineConfig, checkpoint: Checkpoint | None, input_address: str, output_address: str,
-             should_stop: Callable[[], bool]) -> int:
+             should_stop: Callable[[], bool], heartbeat: tuple[str, float] | None = None) -> int:
     """Build the core, announce it on `output_address`, then serve until `Shutdown` or `should_stop()`.
 
     The loop of every engine core behind sockets (its own process here, a Ray actor in a cluster): only
-    how it learns that nobody listens any more differs, hence `should_stop`, asked once per turn.
+    how it learns that nobody listens any more differs, hence `should_stop`, asked once per turn. With
+    `heartbeat` (address, interval in s), a thread reports the core's progress to that address that often
+    once the core is ready (`tokenloop.core.heartbeat`).
     Returns 0 after a shutdown, 1 if building failed.
     """
     context = zmq.Context()
@@ -66,13 +73,18 @@ def run_core(config: EngineConfig, checkpoint: Checkpoint | None, input_address:
     outputs.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
     inputs.connect(input_address)
     outputs.connect(output_address)
+    beating = None
     try:
         loop = _build(config, checkpoint, outputs)
         if loop is None:
             return 1
+        if heartbeat is not None:
+            beating = HeartbeatThread(context, heartbeat[0], loop.core.progress, heartbeat[1]).start()
         _serve(loop, inputs, outputs, should_stop)
         return 0
     finally:
+        if beating is not None:
+            beating.stop()
         inputs.close(linger=0)
         outputs.close()
         context.term()
@@ -114,7 +126,9 @@ def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Soc
 def _serve(loop, inputs: zmq.Socket, outputs: zmq.Socket, should_stop: Callable[[], bool]) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    progress = loop.core.progress
     while not loop.stopped:
+        progress.tick()  # every turn, idle ones too: a loop that stops turning is hung
         if not loop.has_work:
             timeout = _IDLE_POLL_MS
         elif loop.last_num_scheduled == 0:

@@ -24,6 +24,7 @@ import torch
 
 from tokenloop.config import EngineConfig
 from tokenloop.core.handoff import HandoffStage, ImportResult, KVBlockData, KVSnapshot
+from tokenloop.core.heartbeat import Progress
 from tokenloop.core.isolation import Failure, Sampled, execute_isolated, sample_isolated
 from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.kv_events import KVEventBatch, KVEventLog, KVIndexSnapshot
@@ -118,6 +119,10 @@ class EngineCore:
         # Fault injection (tests, the soak): every step with work first sleeps this long, as a slower model
         # would; a test holds a request in flight with it instead of betting on the machine's speed.
         self.injected_step_delay_s = 0.0
+        # Liveness: the core's loop ticks it per turn and the model per layer; a heartbeat reports it.
+        self.progress = Progress()
+        if self.model is not None:
+            self.model.progress = self.progress
 
     # ---- requests in -----------------------------------------------------------------------------
 

@@ -140,4 +140,12 @@ class CoreFrame:
     results: list[CallResult] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class CoreHeartbeat:
+    """Sent by the core's heartbeat thread every fraction of a second: how far its main thread has got
+    (`tokenloop.core.heartbeat`); a counter that stops moving means a hung core."""
+
+    progress: int
+
+
 InputMessage = AddRequests | FinishRequests | UtilityCall | Shutdown

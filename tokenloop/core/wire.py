@@ -27,6 +27,7 @@ from tokenloop.core.messages import (
     CallResult,
     CoreError,
     CoreFrame,
+    CoreHeartbeat,
     CoreOutput,
     CoreOutputs,
     CoreReady,
@@ -52,7 +53,7 @@ WIRE_TYPES: tuple[type, ...] = (
     AddRequests, FinishRequests, UtilityCall, Shutdown, CallResult, CoreError, CoreReady, CoreFrame,
     CoreRequest, SamplingParams, StructuredOutputsParams, CoreOutputs, CoreOutput, TokenLogprobs,
     StepRecord, ScheduledChunk, ReleaseInfo, StepGauges, ArrivalRecord, SchedulerStats,
-    KVBlockData, RequestState, KVSnapshot, ImportResult,
+    KVBlockData, RequestState, KVSnapshot, ImportResult, CoreHeartbeat,
 )
 _ANY_EXT = 1  # msgpack ext code of a dataclass inside an `Any` field (a utility's result)
 

@@ -120,6 +120,7 @@ def forward_fused(
     k = torch.empty(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     v = torch.empty_like(k)
     eps = cfg.rms_norm_eps
+    tick = model.progress.tick
     for layer, (key_cache, value_cache) in zip(model.layers, kv_caches):
         normed = torch.empty(num_tokens, cfg.hidden_size, dtype=input_dtype(layer.qkv, num_tokens))
         ops.add_rms_norm(hidden, delta, layer.input_norm, eps, normed)
@@ -135,6 +136,7 @@ def forward_fused(
         activated = torch.empty(num_tokens, gate_up.shape[1] // 2, dtype=input_dtype(layer.down, num_tokens))
         ops.silu_mul(gate_up, activated)
         delta = project(activated, layer.down)
+        tick()
     final = torch.empty(num_tokens, cfg.hidden_size)
     ops.add_rms_norm(hidden, delta, model.final_norm, eps, final)
     if logits_indices is not None:

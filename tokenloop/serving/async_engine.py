@@ -5,7 +5,7 @@ client of the engine core: the core in its own process over ZMQ (the server's de
 process (tests, tools), where a turn of the thread's loop runs one core step. The event loop talks to the
 thread through a command list and a wakeup pipe; the thread sleeps in one poll on that pipe, the core's
 output socket and the core process's sentinel, so a submission wakes it at once and a dead core is seen
-the moment it exits.
+the moment it exits; a hung one once its heartbeat has shown no progress for the bound (`core.heartbeat`).
 
     async_engine = AsyncEngine(engine, metrics)                       # in-process core
     async_engine = AsyncEngine.with_core_process(config, metrics)     # the core in its own process
@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from tokenloop.core.heartbeat import DEFAULT_HANG_TIMEOUT_S
 from tokenloop.errors import EngineStoppedError
 from tokenloop.observe.metrics import EngineMetrics
 from tokenloop.observe.records import ObserverSet, Observes
@@ -159,14 +160,17 @@ class AsyncEngine:
     def with_core_process(cls, config: EngineConfig, metrics: EngineMetrics | None = None, *,
                           checkpoint: Checkpoint | None = None, tracer: Observes | None = None,
                           observers: Sequence[Observes] = (), startup_timeout_s: float = 300.0,
-                          client: CoreProcessClient | None = None, **options: Any) -> AsyncEngine:
+                          client: CoreProcessClient | None = None,
+                          hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, **options: Any) -> AsyncEngine:
         """Start the engine core in its own process (or take `client`, one already started for `config`)
         and return once it is ready; this process loads only the tokenizer and config (or uses
-        `checkpoint`'s, which the core then gets pickled), while the core loads the model."""
+        `checkpoint`'s, which the core then gets pickled), while the core loads the model. A core that
+        makes no progress for `hang_timeout_s` is killed and handled as a dead one (0: never)."""
         from tokenloop.model.loader import load_model_info
 
         if client is None:
-            client = CoreProcessClient(config, checkpoint, startup_timeout_s=startup_timeout_s, wait=False)
+            client = CoreProcessClient(config, checkpoint, startup_timeout_s=startup_timeout_s, wait=False,
+                                       hang_timeout_s=hang_timeout_s)
         try:
             tokenizer = (checkpoint.tokenizer if checkpoint is not None
                          else load_model_info(config.model).tokenizer)
@@ -371,18 +375,19 @@ class AsyncEngine:
             self._counts.finished[reason] = self._counts.finished.get(reason, 0) + 1
 
     def _drain_after_stop(self) -> None:
-        """Refuse commands that arrived after the stop, so no submitter waits forever."""
+        """Refuse commands that arrived after the stop, and calls the core never answered (it died or
+        hung first: the reason says so), so no submitter waits forever."""
         with self._lock:
             commands, self._commands = self._commands, []
             self._closed = True
-        for command in commands:
-            _refuse(command)
-        for waiting in self._waiting.values():
-            _refuse(waiting)
+        why = f"{self.death}; the server is restarting" if self.death else "the engine has stopped"
+        for command in [*commands, *self._waiting.values()]:
+            _refuse(command, why)
         self._waiting.clear()
 
 
-def _refuse(command: Any) -> None:
+def _refuse(command: Any, why: str = "the engine has stopped") -> None:
     done = getattr(command, "done", None)
-    if done is not None and done.set_running_or_notify_cancel():
-        done.set_exception(EngineStoppedError("the engine has stopped"))
+    # A call sent to the core is running already (the engine thread took it); a new one may be cancelled.
+    if done is not None and not done.done() and (done.running() or done.set_running_or_notify_cancel()):
+        done.set_exception(EngineStoppedError(why))

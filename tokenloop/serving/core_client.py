@@ -6,15 +6,14 @@ loop (`AsyncEngine`'s engine thread) drives either:
     client.send([AddRequests(...), FinishRequests(...)])   # applied in order, between two steps
     poller waits on client.pollables() (and the front end's own wakeup) for client.poll_timeout_ms()
     for frame in client.receive(): ...                      # one frame per core step
-    client.death()                                          # why the core is gone, or None
+    client.death()                                          # why the core is gone (dead, or hung and
+                                                            # killed), or None
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,9 +22,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 import zmq
 
 from tokenloop.core import wire
-from tokenloop.core.core_launch import StartedCore, socket_addresses, start_core_process
+from tokenloop.core.core_launch import StartedCore, heartbeat_address, socket_addresses, start_core_process
+from tokenloop.core.heartbeat import (
+    DEFAULT_HANG_TIMEOUT_S,
+    HangWatch,
+    check_hang_timeout,
+    heartbeat_interval_s,
+)
 from tokenloop.core.core_loop import CoreLoop, RecordBuffer
 from tokenloop.core.messages import CoreFrame, CoreReady, InputMessage, Shutdown
+from tokenloop.core.private_dir import PrivateDir
 from tokenloop.errors import EngineStoppedError, ModelLoadError
 
 if TYPE_CHECKING:
@@ -108,20 +114,33 @@ class InProcessCoreClient:
 
 
 class CoreSockets:
-    """The front end's two sockets to one engine core, bound on ipc:// paths in a private temp dir (mode
-    0700): PUSH for its messages in, PULL for its frames out. Whoever hosts the core (a process, a Ray
-    actor on this host) connects it to `input_address` and `output_address`."""
+    """The front end's sockets to one engine core, bound on ipc:// paths in a private temp dir (mode 0700,
+    locked while this process lives): PUSH for its messages in, PULL for its frames out, and a PULL that
+    keeps only the latest of its heartbeats, judged by a `HangWatch` (`hang_timeout_s` 0: not watched).
+    Whoever hosts the core (a process, a Ray actor on this host) connects it to `input_address`,
+    `output_address` and `heartbeat_address`."""
 
-    def __init__(self, directory: str | None = None) -> None:
-        self._dir = directory if directory is not None else tempfile.mkdtemp(prefix="tokenloop-core-")
+    def __init__(self, directory: PrivateDir | None = None, *,
+                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
+        self.watch = HangWatch(hang_timeout_s)  # first: a bad bound is refused before anything is made
+        self.directory = directory if directory is not None else PrivateDir.create()
         self._context = zmq.Context()
         self.inputs = self._context.socket(zmq.PUSH)
         self.outputs = self._context.socket(zmq.PULL)
-        self.inputs.setsockopt(zmq.LINGER, 0)
-        self.outputs.setsockopt(zmq.LINGER, 0)
-        self.input_address, self.output_address = socket_addresses(self._dir)
+        self.heartbeats = self._context.socket(zmq.PULL)
+        self.heartbeats.setsockopt(zmq.CONFLATE, 1)
+        for socket in (self.inputs, self.outputs, self.heartbeats):
+            socket.setsockopt(zmq.LINGER, 0)
+        self.input_address, self.output_address = socket_addresses(self.directory.path)
+        self.heartbeat_address = heartbeat_address(self.directory.path)
         self.inputs.bind(self.input_address)
         self.outputs.bind(self.output_address)
+        self.heartbeats.bind(self.heartbeat_address)
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """How often the core should beat for this watch (`hang_timeout_s` 0: the default interval)."""
+        return heartbeat_interval_s(self.watch.hang_timeout_s or DEFAULT_HANG_TIMEOUT_S)
 
     def wait_ready(self, timeout_s: float, what: str, sentinel: Any,
                    death: Callable[[], str | None]) -> CoreInfo:
@@ -143,6 +162,7 @@ class CoreSockets:
                 if message.error is not None:
                     raise ModelLoadError(f"the engine core failed to start: {message.error.kind}: "
                                          f"{message.error.message}")
+                self.watch.arm()
                 return CoreInfo(message.max_model_len, message.vocab_size, message.num_blocks,
                                 message.block_size, message.dtype, message.pid)
             why = death()
@@ -179,38 +199,57 @@ class CoreSockets:
                 continue
             frames.append(message)
 
+    def hang(self) -> str | None:
+        """Why the core counts as hung (its progress stood still for the bound), or None."""
+        watch = self.watch
+        if not watch.due():
+            return None
+        try:
+            beat = wire.decode(self.heartbeats.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            beat = None
+        return watch.look(beat)
+
     def close(self) -> None:
-        self.inputs.close(linger=0)
-        self.outputs.close(linger=0)
+        for socket in (self.inputs, self.outputs, self.heartbeats):
+            socket.close(linger=0)
         self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        self.directory.remove()
 
 
 class CoreProcessClient:
     """Starts the engine core in its own process (or takes `started`, one already started for `config`)
-    and talks to it over two ipc:// sockets.
+    and talks to it over ipc:// sockets.
 
     The constructor returns once the core is ready (or raises ModelLoadError with the core's reason, or
     EngineStoppedError if it died or stayed silent for `startup_timeout_s`); with `wait=False` it returns
-    at once, and the first read of `info` waits instead, so the caller works while the core loads.
+    at once, and the first read of `info` waits instead, so the caller works while the core loads. Once
+    ready, a core whose progress stands still for `hang_timeout_s` (0: never; a core started without a
+    heartbeat is not watched) is killed and reported dead by `death`.
     """
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None, *,
                  startup_timeout_s: float = 300.0, log_level: int | None = None,
-                 started: StartedCore | None = None, wait: bool = True) -> None:
+                 started: StartedCore | None = None, wait: bool = True,
+                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S) -> None:
+        check_hang_timeout(hang_timeout_s)
         if started is None:
-            started = start_core_process(config, checkpoint, log_level=log_level)
+            beat = heartbeat_interval_s(hang_timeout_s) if hang_timeout_s else None
+            started = start_core_process(config, checkpoint, log_level=log_level, heartbeat_interval_s=beat)
+        elif started.heartbeat_interval_s is None:
+            hang_timeout_s = 0.0  # it never beats: nothing to judge it by
         self.process = started.process
         self._startup_timeout_s = startup_timeout_s
         self._info: CoreInfo | None = None
         self._closed = False
+        self._hang: str | None = None  # why it was killed as hung
         # Bound after the start, so that a forked child holds no ZMQ context of this process: its sockets
         # connect whenever these exist (ZMQ retries) and queue what they send till then.
         try:
-            self._sockets = CoreSockets(started.directory)
+            self._sockets = CoreSockets(started.directory, hang_timeout_s=hang_timeout_s)
         except BaseException:
             self.process.kill()
-            shutil.rmtree(started.directory, ignore_errors=True)
+            started.directory.remove()
             raise
         if wait:
             _ = self.info
@@ -239,13 +278,21 @@ class CoreProcessClient:
         return [self._sockets.outputs, self.process.sentinel]
 
     def poll_timeout_ms(self) -> int | None:
-        return None  # the core steps on its own; its frames and its death both wake the poller
+        # The core steps on its own; its frames and its death both wake the poller, its hang the timeout.
+        return self._sockets.watch.timeout_ms()
 
     def death(self) -> str | None:
+        if self._hang is not None:
+            return self._hang
         code = self.process.exitcode
-        if code is None:
-            return None
-        return f"the engine core process died (exit code {code})"
+        if code is not None:
+            return f"the engine core process died (exit code {code})"
+        hang = self._sockets.hang()
+        if hang is not None:  # nothing left behind: a stopped or stuck process is killed here and now
+            self._hang = f"{hang}; it was killed"
+            self.process.kill()
+            self.process.join(5.0)
+        return self._hang
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Ask the core to shut down, wait for it (then kill it), and remove the sockets (idempotent)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from types import ModuleType
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -43,6 +43,21 @@ class LayerWeights:
     down: Weight
     q_norm: torch.Tensor | None = None  # [D]: RMSNorm of each Q head before rotary (Qwen3)
     k_norm: torch.Tensor | None = None
+
+
+class LayerTicker(Protocol):
+    """What the model ticks after each layer: the engine core's progress counter (tokenloop.core.heartbeat)."""
+
+    def tick(self) -> None: ...
+
+
+class _Uncounted:
+    """A model's ticker until an engine core hands it its own: the ticks go nowhere."""
+
+    __slots__ = ()
+
+    def tick(self) -> None:
+        pass
 
 
 class LlamaModel:
@@ -93,6 +108,9 @@ class LlamaModel:
         self.fused_decode = self.fused_ops is not None and self.fused_decode_loop \
             and hasattr(self.fused_ops, "decode_layers")
         self._decode_plans: dict[int, fused_cpu.DecodePlan | None] = {}
+        # Ticked after every layer: a long prefill shows progress to the core's heartbeat (a hang does not).
+        # The fused decode path runs its layers in one native call and ticks with the loop's turn instead.
+        self.progress: LayerTicker = _Uncounted()  # the engine core hands over its heartbeat's counter
 
     @property
     def rope_cos(self) -> torch.Tensor:
@@ -222,6 +240,7 @@ class LlamaModel:
         cos, sin = self.rotary.at(positions)
 
         hidden = self.embed.index_select(0, input_ids)
+        tick = self.progress.tick
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             normed = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(normed, layer.qkv, layer.qkv_bias)
@@ -235,6 +254,7 @@ class LlamaModel:
             hidden = hidden + linear(attended.view(num_tokens, q_size), layer.o_proj)
             hidden = hidden + gated_mlp(rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps),
                                         layer.gate_up, layer.down)
+            tick()
 
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)

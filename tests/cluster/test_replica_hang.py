@@ -1,0 +1,50 @@
+"""A replica that hangs (stopped, not dead) is found by its heartbeat, killed, and failed over like a dead one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+from tests.cluster.test_replica_set import OPTIONS, SLOW_REPLICA_STEP_S, _collect_ended, _greedy, _reference
+from tests.conftest import TINY_PROMPTS
+from tests.serving.test_core_process import _alive
+from tokenloop.cluster.launch import ClusterOptions
+from tokenloop.llm import build_engine_config
+from tokenloop.model.loader import Checkpoint
+from tokenloop.serving.async_engine import AsyncEngine
+
+BOUND_S = 2.0
+
+
+def test_a_stopped_replica_is_killed_and_its_requests_resume_elsewhere(tiny: Checkpoint) -> None:
+    config = build_engine_config(str(tiny.path), **OPTIONS)
+    engine = AsyncEngine.with_replicas(config, ClusterOptions(
+        replicas=2, cluster="local", router="round-robin", failover="recompute", restart=False,
+        hang_timeout_s=BOUND_S), checkpoint=tiny)
+    max_tokens = 30
+    prompts = [TINY_PROMPTS[0], TINY_PROMPTS[2]]
+    expected = _reference(tiny, prompts, max_tokens)
+    replicas = engine.client.replicas  # type: ignore[attr-defined]
+    try:
+        async def main() -> list[Any]:
+            await engine.utility("inject_step_delay", SLOW_REPLICA_STEP_S)  # mid-stream when it stops
+            tasks = [asyncio.create_task(_collect_ended(engine, f"r{i}", p, _greedy(max_tokens)))
+                     for i, p in enumerate(prompts)]
+            while await engine.utility("num_steps") < 10:
+                await asyncio.sleep(0.01)
+            status = (await engine.utility("cluster_status"))["replicas"]
+            assert [row["requests"] for row in status] == [1, 1]
+            os.kill(status[0]["pid"], signal.SIGSTOP)  # alive, but it answers nothing more
+            return list(await asyncio.wait_for(asyncio.gather(*tasks), 60))  # a missed hang: fail, not wait
+
+        stopped_pid = replicas[0].client.info.pid
+        results = asyncio.run(main())
+        assert results == [(expected[0], "length"), (expected[1], "length")]  # resumed, the same tokens
+        assert replicas[0].alive is False and "stopped responding" in (replicas[0].death or "")
+        assert "no heartbeat" in replicas[0].death
+        assert not _alive(stopped_pid), "the stopped replica was left behind"
+        assert engine.utility_blocking("ping") is True and not engine.crashed  # the front door stays up
+    finally:
+        engine.close()
