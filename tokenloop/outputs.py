@@ -45,6 +45,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # stop, length, abort or error
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why the engine failed it, when finish_reason is "error"
+    error_param: str | None = None  # the request field to blame, when the failure is the request's own fault
 
     @property
     def finished(self) -> bool:
@@ -117,6 +118,7 @@ class _Sample:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    error_param: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
 
@@ -278,6 +280,7 @@ class OutputProcessor:
 
     def _finish(self, sample: _Sample, out: CoreOutput, now: int) -> None:
         sample.finish_reason, sample.stop_reason, sample.error = out.finish_reason, out.stop_reason, out.error
+        sample.error_param = out.error_param
         if sample.times.finished is None:
             sample.times.finished = now
         self._finish_numbers(sample, out)
@@ -308,7 +311,7 @@ class OutputProcessor:
                 index=sample.index, text=text, token_ids=token_ids, text_delta=text_delta,
                 token_ids_delta=token_ids_delta, logprobs=logprobs, logprobs_delta=logprobs_delta,
                 cumulative_logprob=sample.cumulative_logprob, finish_reason=sample.finish_reason,
-                stop_reason=sample.stop_reason, error=sample.error))
+                stop_reason=sample.stop_reason, error=sample.error, error_param=sample.error_param))
             sample.reported_tokens = len(tokens)
         metrics = None
         finished = group.finished

@@ -243,6 +243,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.error_param: str | None = None  # the field to blame when the error is the request's own fault
         self.times = RequestTimes(arrival=arrival_ns)
         # Chained hashes of this request's full blocks, filled in lazily by the KV cache manager.
         self.block_hashes: list[int] = []

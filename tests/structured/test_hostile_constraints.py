@@ -199,3 +199,86 @@ def test_a_grammar_the_core_cannot_build_is_the_submissions_error(tiny: Checkpoi
     assert result.call_id == 7 and result.error is not None
     assert result.error.kind == "InvalidRequestError" and result.error.param == "structured_outputs.grammar"
     assert not core.has_unfinished_requests() and not loop.has_work
+
+
+# ---- against a live server: each hostile constraint is a 400 in bounded time; a plain request is unharmed ----
+
+def _chain_gbnf(rules: int) -> str:
+    return "\n".join(["root ::= r0", *(f'r{i} ::= "a" r{i + 1}' for i in range(rules - 1)), f'r{rules - 1} ::= "b"'])
+
+
+def _deep(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+SELF_REQUIRED = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                                                         "required": ["next"]}}}
+HOSTILE: list[tuple[str, dict[str, Any], str, tuple[int, ...]]] = [
+    ("gbnf-10k-chained-rules", {"structured_outputs": {"grammar": _chain_gbnf(10_000)}}, "structured_outputs.grammar",
+     (400,)),
+    ("choice-50k", {"structured_outputs": {"choice": [f"item{i}" for i in range(50_000)]}},
+     "structured_outputs.choice", (400,)),
+    ("regex-a-million", {"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs.regex", (400,)),
+    ("regex-nested-repeats", {"structured_outputs": {"regex": "(a{1000}){1000}"}}, "structured_outputs.regex", (400,)),
+    ("gbnf-never-ends", {"structured_outputs": {"grammar": 'root ::= "a" root'}, "max_tokens": 200},
+     "structured_outputs.grammar", (200, 400)),
+    ("gbnf-undefined-rule", {"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs.grammar",
+     (400,)),
+    ("schema-pattern-bomb", {"structured_outputs": {"json": {"type": "string", "pattern": "(a{1000}){1000}"}}},
+     "structured_outputs.json", (200, 400)),
+    ("schema-deep", {"structured_outputs": {"json": _deep(200)}}, "structured_outputs.json", (400,)),
+    ("schema-ref-cycle", {"structured_outputs": {"json": {"$ref": "#/$defs/a", "$defs": {
+        "a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}}, "structured_outputs.json", (400,)),
+    ("schema-ref-chain", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$ref": "#/$defs/d0", "$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(3000)}}}}},
+     "response_format.json_schema", (400,)),
+    ("schema-int-past-64-bits", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "maxLength": 18446744073709551616}}}}, "response_format.json_schema", (400,)),
+    ("schema-required-self-reference", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": SELF_REQUIRED}}}, "response_format.json_schema", (400,)),
+    ("schema-3000-optional-properties", {"structured_outputs": {"json": {"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(3000)}}}}, "structured_outputs.json", (200, 400)),
+]
+
+
+@pytest.fixture(scope="module")
+def hostile_server(tiny: Checkpoint) -> Any:
+    import httpx
+
+    from tests.serving.conftest import LiveServer, make_engine
+    from tokenloop.config import ServerLimits
+    from tokenloop.serving.api import create_app
+    from tokenloop.serving.server import ServerThread
+
+    engine = make_engine(tiny)
+    app = create_app(engine, served_model_name="tiny", limits=ServerLimits(grammar_compile_timeout_s=1.0))
+    with ServerThread(app, shutdown_timeout_s=1.0) as thread, httpx.Client(base_url=thread.url, timeout=120) as client:
+        yield LiveServer(thread, client, engine, app.state.async_engine)
+
+
+@pytest.mark.parametrize("name, fields, param, statuses", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_a_hostile_constraint_is_refused_at_the_door_and_a_plain_request_follows(
+        hostile_server: Any, name: str, fields: dict[str, Any], param: str, statuses: tuple[int, ...]) -> None:
+    client = hostile_server.client
+    path = "/v1/chat/completions" if "response_format" in fields else "/v1/completions"
+    base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    begin = time.monotonic()
+    r = client.post(path, json={"model": "tiny", "max_tokens": 8, **base, **fields})
+    took = time.monotonic() - begin
+    assert r.status_code in statuses, r.text
+    if r.status_code == 400:
+        error = r.json()["error"]
+        # The field, or a path inside it (the body parser names where JSON nesting passed its limit).
+        assert error["param"].startswith(param) and error["type"] == "invalid_request_error", error
+    # The budget (1 s) plus a fresh worker's start (~1-3 s on a loaded 2-core machine): never a hang.
+    assert took < 30, f"{name}: answered after {took:.1f} s"
+    time.sleep(0.5)  # the measure: a plain 8-token chat request 0.5 s after the hostile one
+    begin = time.monotonic()
+    plain = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 8, "ignore_eos": True,
+                                                      "messages": [{"role": "user", "content": "hello"}]})
+    assert plain.status_code == 200 and plain.json()["choices"][0]["finish_reason"] == "length"
+    assert time.monotonic() - begin < 5.0, f"{name}: the plain request took {time.monotonic() - begin:.1f} s"
+    hostile_server.wait_idle()

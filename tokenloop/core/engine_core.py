@@ -251,7 +251,7 @@ class EngineCore:
                     if status is not None:
                         self._finish(request, status, sample_end)
                 except Exception as exc:  # noqa: BLE001 - one request's failure must not take the others down
-                    logger.exception("update of %s failed", request.request_id)
+                    _log_update_failure(request, exc)
                     failures.append((request, "updating", exc))
         for request, stage, cause in failures:
             self._fail_request(request, stage, cause)
@@ -374,7 +374,7 @@ class EngineCore:
                 if status is not None:
                     self._finish(request, status, now)
             except Exception as exc:  # noqa: BLE001 - one request's failure must not take the others down
-                logger.exception("update of %s failed", request.request_id)
+                _log_update_failure(request, exc)
                 failures.append((request, "updating", exc))
         return appended, total_accepted
 
@@ -428,7 +428,7 @@ class EngineCore:
         """Fill in how `request` ended; forget it."""
         output.finish_reason = request.finish_reason
         output.stop_reason = request.stop_reason
-        output.error = request.error
+        output.error, output.error_param = request.error, request.error_param
         self._forget(request.request_id)
         return output
 
@@ -455,11 +455,18 @@ class EngineCore:
             self._prompt_logprobs_sent[piece.request_id] = sent + len(values)
 
     def _fail_request(self, request: Request, stage: str, cause: BaseException) -> None:
-        # The exception is this request's own (isolated): its text may help an offline caller.
-        detail = f" ({type(cause).__name__}: {str(cause)[:200]})" if cause is not None else ""
-        request.error = f"the server failed while {stage} this request{detail}"
+        if isinstance(cause, InvalidRequestError):  # the request's own content: the client is told why
+            request.error, request.error_param = str(cause), cause.param
+        else:  # the exception is this request's own (isolated): its text may help an offline caller
+            detail = f" ({type(cause).__name__}: {str(cause)[:200]})" if cause is not None else ""
+            request.error = f"the server failed while {stage} this request{detail}"
         if request.times.finished is None:
             request.times.finished = self.clock()
         self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
 
 
+def _log_update_failure(request: Request, exc: Exception) -> None:
+    if isinstance(exc, InvalidRequestError):  # the request's own fault (its grammar's limits): no traceback
+        logger.info("request %s failed: %s", request.request_id, exc)
+    else:
+        logger.exception("update of %s failed", request.request_id)

@@ -45,6 +45,9 @@ class CoreOutput:
     first_scheduled_ns: int | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # When `error` is the request's own fault (its constraint hit the grammar compiler's limits mid-way):
+    # the request field to blame, so the client gets a 4xx naming it, not a 500.
+    error_param: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import Request
 
 from tokenloop.config import ServerLimits
-from tokenloop.errors import EngineStoppedError, RequestFailedError
+from tokenloop.errors import EngineStoppedError, InvalidRequestError, RequestFailedError, TokenloopError
 from tokenloop.logprobs import TokenLogprobs
-from tokenloop.outputs import RequestOutput
+from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.serving.async_engine import AsyncEngine, RequestSpec, RequestStream
 from tokenloop.serving.errors import APIError, invalid
 from tokenloop.serving.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -57,6 +57,7 @@ class _Choice:
     finish_reason: str | None = None
     num_chars: int = 0  # characters of text sent so far (for completion text_offset)
     started: bool = False
+    failure: TokenloopError | None = None  # why the engine failed it (finish_reason "error")
 
 
 @dataclass
@@ -113,10 +114,18 @@ class _Submission:
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
+def engine_failure(output: CompletionOutput) -> TokenloopError:
+    """What a choice that ended with 'error' tells its client: a 4xx naming the field when the request's own
+    content caused it (a constraint that hit the compiler's limits mid-way), else a 500."""
+    if output.error_param is not None:
+        return InvalidRequestError(output.error or "the request failed", param=output.error_param)
+    return RequestFailedError("the engine failed while running this request (see the server log)")
+
+
 def _check_finish(choice: _Choice) -> None:
     """Non-streaming: an 'error' or 'abort' ending is an HTTP error, not a choice."""
     if choice.finish_reason == "error":
-        raise RequestFailedError("the engine failed while running this request (see the server log)")
+        raise choice.failure or RequestFailedError("the engine failed while running this request")
     if choice.finish_reason == "abort":
         raise EngineStoppedError("the server shut down before the request finished")
 
@@ -210,6 +219,8 @@ class ServingBase:
                     if c.logprobs_delta:
                         choice.logprobs.extend(c.logprobs_delta)
                     choice.finish_reason = c.finish_reason
+                    if c.finish_reason == "error":
+                        choice.failure = engine_failure(c)
 
         work = asyncio.ensure_future(gather())
         watch = asyncio.ensure_future(_wait_for_disconnect(raw))

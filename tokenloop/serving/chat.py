@@ -18,7 +18,8 @@ from tokenloop.errors import InvalidRequestError, RequestFailedError
 from tokenloop.request import SamplingParams
 from tokenloop.logprobs import TokenLogprobs
 from tokenloop.serving.async_engine import RequestSpec, RequestStream
-from tokenloop.serving.base import MIN_LOGPROB, ServingBase, _check_finish, _Prompt, _Submission
+from tokenloop.serving.base import (MIN_LOGPROB, ServingBase, _check_finish, _Prompt, _Submission,
+                                    engine_failure)
 from tokenloop.serving.errors import api_error, invalid
 from tokenloop.serving.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk,
                                         ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
@@ -132,8 +133,7 @@ class ChatServing(ServingBase):
                     if choice.finish_reason is not None:
                         continue
                     if c.finish_reason == "error":
-                        error = RequestFailedError("the engine failed while running this request")
-                        yield api_error(error).frame()
+                        yield api_error(engine_failure(c)).frame()
                         yield DONE_FRAME
                         return
                     choice.num_tokens += len(c.token_ids_delta)

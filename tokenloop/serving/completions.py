@@ -16,7 +16,8 @@ from tokenloop.errors import RequestFailedError
 from tokenloop.request import SamplingParams
 from tokenloop.logprobs import TokenLogprobs
 from tokenloop.serving.async_engine import RequestSpec, RequestStream
-from tokenloop.serving.base import MIN_LOGPROB, ServingBase, _check_finish, _Prompt, _Submission
+from tokenloop.serving.base import (MIN_LOGPROB, ServingBase, _check_finish, _Prompt, _Submission,
+                                    engine_failure)
 from tokenloop.serving.errors import api_error, invalid
 from tokenloop.serving.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                         CompletionResponse, now_s, random_id)
@@ -148,8 +149,7 @@ class CompletionsServing(ServingBase):
                     if choice.finish_reason is not None:
                         continue
                     if c.finish_reason == "error":
-                        error = RequestFailedError("the engine failed while running this request")
-                        yield api_error(error).frame()
+                        yield api_error(engine_failure(c)).frame()
                         yield DONE_FRAME
                         return
                     text = c.text_delta

@@ -23,12 +23,14 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import queue
+import random
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from tokenloop.errors import CapacityError, InvalidRequestError
 from tokenloop.structured.spec import StructuredOutputsParams
@@ -163,6 +165,11 @@ class GrammarChecker:
             self._idle.put(worker)
 
 
+# Tokens a check walks into a new grammar after building it: a schema whose required properties refer back to
+# their own object passes the build but fails its very first token on the parser's item limit.
+PROBE_TOKENS = 8
+
+
 def _serve(conn: Connection, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
     """The worker's main: build each spec it is sent and answer None (fine) or the problem's message."""
     from tokenloop.structured.grammar import GrammarLimits, build_matcher, grammar_tokenizer
@@ -176,9 +183,38 @@ def _serve(conn: Connection, tokenizer_json: str, vocab_size: int, eos_token_ids
         except (EOFError, OSError):
             return  # the server is gone
         try:
-            build_matcher(tokenizer, spec, limits)
-            conn.send(None)
+            problem = _probe(build_matcher(tokenizer, spec, limits), spec, set(eos_token_ids), vocab_size)
+            conn.send(problem)
         except InvalidRequestError as exc:
             conn.send(str(exc))
         except Exception as exc:  # noqa: BLE001 - any other failure is still this spec's problem
             conn.send(f"{spec.field}: the grammar compiler failed on this {spec.kind}: {type(exc).__name__}")
+
+
+def _probe(matcher: Any, spec: StructuredOutputsParams, eos: set[int], vocab_size: int) -> str | None:
+    """Walk up to PROBE_TOKENS allowed tokens (drawn by a generator seeded with the spec's key, EOS last);
+    the message if the grammar reaches one of its limits on the way, else None."""
+    import llguidance.numpy
+    import numpy as np
+
+    rng = random.Random(spec.key())
+    mask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
+    for step in range(PROBE_TOKENS):
+        if matcher.is_stopped():
+            return None
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+        if matcher.is_error():
+            break
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab_size]).tolist()
+        choices = [t for t in allowed if t not in eos] or allowed
+        if not choices or not matcher.consume_token(rng.choice(choices)):
+            break
+    else:
+        return None
+    if not matcher.is_error():
+        return None
+    from tokenloop.structured.grammar import short_error
+
+    return (f"{spec.field}: this {spec.kind} reaches a limit of the grammar compiler after {step} token(s) "
+            f"({short_error(matcher.get_error(), 200)}); simplify it (a required property that refers back to "
+            "its own object can never end)")

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from tokenloop.errors import TokenloopError
+from tokenloop.errors import InvalidRequestError, TokenloopError
 from tokenloop.structured.spec import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 
 class GrammarRefusedTokenError(TokenloopError):
     """A sampled token did not fit the request's grammar (the mask should make this impossible)."""
+
+
+class GrammarLimitError(InvalidRequestError):
+    """The request's grammar hit one of the compiler's limits mid-way (say, a schema whose required
+    properties refer back to their own object grows the parser's state without end): its own fault."""
 
 
 class StructuredOutputs:
@@ -69,4 +74,12 @@ class StructuredOutputs:
         """Advance a constrained request's matcher by its newly appended output token."""
         matcher = request.structured
         if matcher is not None and not matcher.accept(token_id):
+            spec = request.sampling_params.structured_outputs
+            if matcher.error is not None and spec is not None:  # a limit, not a token the mask let through
+                from tokenloop.structured.grammar import short_error
+
+                raise GrammarLimitError(
+                    f"{spec.field}: generation stopped after {matcher.num_accepted} tokens: the constraint's "
+                    f"grammar reached a limit ({short_error(matcher.error, 200)}); simplify it",
+                    param=spec.field)
             raise GrammarRefusedTokenError(f"token {token_id} does not fit the grammar: {matcher.error}")
