@@ -75,7 +75,7 @@ def inject(engine: LLMEngine, stage: str) -> None:
     kv = engine.kv_cache
     if stage == "schedule":  # the policy's bookkeeping raises for the victim
         policy = engine.scheduler.policy
-        policy.on_scheduled = _raise_for(lambda request, n: request, policy.on_scheduled)
+        policy.on_scheduled = _raise_for(lambda request, *_: request, policy.on_scheduled)
     elif stage == "kv_lookup":  # looked up at admission only: it fails while the others are admitted
         kv.get_computed_blocks = _raise_for(lambda request: request, kv.get_computed_blocks, after=0)
     elif stage == "kv_allocate":

@@ -114,8 +114,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
-    # A waiting request that would take more than this many tokens in one step is cut into chunks.
-    long_prefill_token_threshold: int = 0  # 0: only the step budget limits a chunk
+    # With chunked prefill, a request with more than this many tokens left to compute is a long prefill: it
+    # gets at most this many tokens of a step until everyone else has had theirs, then the budget left over.
+    # None: half of max_num_batched_tokens; 0: no long prefills (only the budget limits a chunk).
+    long_prefill_token_threshold: int | None = None
+    # Long prefills in progress at once; a waiting long prefill beyond this lets shorter requests behind it
+    # go first, so a short request is never stuck behind long prompts (0: no limit).
+    max_long_partial_prefills: int = 1
     max_waiting: int | None = None  # bound on queued requests; None = unbounded
     # Aging, so that no request starves: its rank improves in proportion to its age (time since arrival).
     priority_aging_per_s: float = 0.1  # `priority`: priority levels gained per second of age
@@ -130,7 +135,9 @@ class SchedulerConfig:
                  f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
         _require(self.policy in SCHEDULING_POLICIES,
                  f"unknown scheduling policy {self.policy!r} (valid: {', '.join(SCHEDULING_POLICIES)})")
-        _require(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0")
+        _require(self.long_prefill_token_threshold is None or self.long_prefill_token_threshold >= 0,
+                 "long_prefill_token_threshold must be >= 0")
+        _require(self.max_long_partial_prefills >= 0, "max_long_partial_prefills must be >= 0")
         _require(self.max_waiting is None or self.max_waiting >= 0, "max_waiting must be >= 0")
         _require(self.priority_aging_per_s >= 0,
                  f"priority_aging_per_s must be >= 0, got {self.priority_aging_per_s}")
@@ -140,6 +147,15 @@ class SchedulerConfig:
                  "fair_prompt_token_weight and fair_output_token_weight must be >= 0")
         _require(self.fair_prompt_token_weight + self.fair_output_token_weight > 0,
                  "fair_prompt_token_weight and fair_output_token_weight must not both be 0")
+
+    @property
+    def long_prefill_threshold(self) -> int:
+        """`long_prefill_token_threshold` in force: 0 (no long prefills) without chunked prefill."""
+        if not self.enable_chunked_prefill:
+            return 0
+        if self.long_prefill_token_threshold is None:
+            return max(1, self.max_num_batched_tokens // 2)
+        return self.long_prefill_token_threshold
 
 
 SPECULATIVE_METHODS = ("ngram",)

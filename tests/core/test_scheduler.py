@@ -79,6 +79,8 @@ class Harness:
         sched, config, size = self.sched, self.config, self.block_size
         had_work = sched.has_unfinished_requests()
         waiting_before = {r.request_id for r in sched.waiting_requests()}
+        threshold = config.long_prefill_threshold
+        num_long = sum(1 for r in sched.running_requests() if 0 < threshold < r.num_tokens - r.num_computed_tokens)
         out = sched.schedule()
         # Budgets.
         assert out.num_batched_tokens == sum(item.num_tokens for item in out.scheduled)
@@ -99,8 +101,12 @@ class Harness:
             assert item.num_computed_tokens == request.num_computed_tokens
             end = item.num_computed_tokens + item.num_tokens
             assert end <= request.num_tokens and item.samples == (end == request.num_tokens)
-            if config.enable_chunked_prefill and config.long_prefill_token_threshold:
-                assert item.num_tokens <= config.long_prefill_token_threshold
+            if 0 < threshold < request.num_tokens - item.num_computed_tokens:  # a long prefill
+                if item.admitted and request.request_id in waiting_before:
+                    num_long += 1
+                    assert not config.max_long_partial_prefills or num_long <= config.max_long_partial_prefills
+            elif threshold:
+                assert item.num_tokens <= threshold, "only a long prefill is topped up past the threshold"
         # The diffs (released ids, new block ids) rebuild exactly the manager's tables, as a runner would.
         for request_id in out.released_request_ids:
             self.tables.pop(request_id, None)
@@ -187,12 +193,30 @@ def test_long_prompt_is_chunked_while_others_decode() -> None:
     h.drain()
 
 
-def test_long_prefill_threshold_caps_chunks() -> None:
-    h = Harness(config(max_num_batched_tokens=32, long_prefill_token_threshold=8))
+def test_long_prefills_take_the_threshold_first_and_the_rest_last() -> None:
+    h = Harness(config(max_num_batched_tokens=16, long_prefill_token_threshold=8))
     h.add(20)
+    h.add(20)  # long too: waits while r0 prefills, letting the short r2 behind it go first
     h.add(5)
-    assert plan(h.step()) == [("r0", 8), ("r1", 5)]
-    assert plan(h.step()) == [("r0", 8), ("r1", 1)]
+    # r0 gets 8, r2 its whole prompt, and r0 the 3 tokens left over.
+    assert plan(h.step()) == [("r0", 11), ("r2", 5)]
+    assert plan(h.step()) == [("r0", 9), ("r2", 1)]
+    assert plan(h.step()) == [("r0", 1), ("r2", 1), ("r1", 14)]
+    h.drain()
+
+
+def test_a_lone_long_prefill_fills_whole_steps() -> None:
+    h = Harness(config(max_num_batched_tokens=16), max_model_len=64)
+    h.add(40, max_tokens=2)
+    assert [plan(h.step()) for _ in range(3)] == [[("r0", 16)], [("r0", 16)], [("r0", 8)]]
+    h.drain()
+
+
+def test_threshold_zero_turns_long_prefills_off() -> None:
+    h = Harness(config(max_num_batched_tokens=16, long_prefill_token_threshold=0))
+    h.add(20)
+    h.add(3)
+    assert plan(h.step()) == [("r0", 16)]  # the old way: the first request takes the whole budget
     h.drain()
 
 
@@ -512,13 +536,14 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(SCHEDULING_POLICIES), num_blocks=st.integers(4, 14),
                 block_size=st.sampled_from([2, 4]), budget=st.integers(2, 24), max_seqs=st.integers(1, 4),
-                chunked=st.booleans(), threshold=st.sampled_from([0, 0, 3]), caching=st.booleans(),
-                seed=st.integers(0, 2**16))
+                chunked=st.booleans(), threshold=st.sampled_from([0, None, None, 3]), caching=st.booleans(),
+                max_long=st.sampled_from([1, 1, 2, 0]), seed=st.integers(0, 2**16))
     def setup(self, policy: str, num_blocks: int, block_size: int, budget: int, max_seqs: int, chunked: bool,
-              threshold: int, caching: bool, seed: int) -> None:
+              threshold: int | None, caching: bool, max_long: int, seed: int) -> None:
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy, enable_chunked_prefill=chunked,
-            long_prefill_token_threshold=threshold, priority_aging_per_s=2.0, sjf_aging_tokens_per_s=50.0)
+            long_prefill_token_threshold=threshold, max_long_partial_prefills=max_long,
+            priority_aging_per_s=2.0, sjf_aging_tokens_per_s=50.0)
         self.h = Harness(scheduler_config, num_blocks, block_size, max_model_len=24, caching=caching, seed=seed)
 
     @rule(batch=st.lists(arrivals, min_size=1, max_size=4))
@@ -577,22 +602,25 @@ _FAIR_SELF_PREEMPTION = dict(
               Arrival(4, [0] * 12, None, 0, "ann", None), Arrival(2, [0], 1, 0, None, None),
               Arrival(13, [0] * 7, 3, 0, "ann", "s"), Arrival(10, [1, 2, 3, 4, 5, 6, 7, 8, 3, 3], None, 0, "cy", None),
               Arrival(8, [5, 5, 5, 3], 3, 0, "bob", None)],
-    aborts=[(6, 18), (6, 3), (7, 16)], seed=395)
+    aborts=[(6, 18), (6, 3), (7, 16)], seed=395, max_long=0)
 
 
 @settings(max_examples=300, deadline=None)
 @example(**_FAIR_SELF_PREEMPTION)
 @given(policy=st.sampled_from(SCHEDULING_POLICIES), num_blocks=st.integers(4, 14),
        block_size=st.sampled_from([2, 4]), budget=st.integers(2, 24), max_seqs=st.integers(1, 5),
-       chunked=st.booleans(), threshold=st.sampled_from([0, 0, 3]), caching=st.sampled_from([True, True, False]),
+       chunked=st.booleans(), threshold=st.sampled_from([0, None, None, 3]), caching=st.sampled_from([True, True, False]),
        workload=st.lists(arrivals, min_size=4, max_size=20),
-       aborts=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 19)), max_size=4), seed=st.integers(0, 999))
+       aborts=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 19)), max_size=4), seed=st.integers(0, 999),
+       max_long=st.sampled_from([1, 1, 2, 0]))
 def test_random_workloads_keep_every_invariant_and_finish(
-        policy: str, num_blocks: int, block_size: int, budget: int, max_seqs: int, chunked: bool, threshold: int,
-        caching: bool, workload: list[Arrival], aborts: list[tuple[int, int]], seed: int) -> None:
+        policy: str, num_blocks: int, block_size: int, budget: int, max_seqs: int, chunked: bool,
+        threshold: int | None, caching: bool, workload: list[Arrival], aborts: list[tuple[int, int]], seed: int,
+        max_long: int) -> None:
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy, enable_chunked_prefill=chunked,
-        long_prefill_token_threshold=threshold, priority_aging_per_s=2.0, sjf_aging_tokens_per_s=50.0)
+        long_prefill_token_threshold=threshold, max_long_partial_prefills=max_long,
+        priority_aging_per_s=2.0, sjf_aging_tokens_per_s=50.0)
     h = Harness(scheduler_config, num_blocks, block_size, max_model_len=24, caching=caching, seed=seed)
     added: list[Request] = []
     last_step = max(a.step for a in workload)

@@ -45,6 +45,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=DEFAULT_MODEL, help="model name, .gguf file or HF checkpoint directory "
@@ -52,6 +59,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--policy", choices=SCHEDULING_POLICIES, default="fcfs", help="scheduling policy")
     group.add_argument("--max-num-seqs", type=positive_int, help="most requests in one step")
     group.add_argument("--max-num-batched-tokens", type=positive_int, help="most tokens in one step")
+    group.add_argument("--long-prefill-token-threshold", type=non_negative_int,
+                       help="a prompt with more tokens left is a long prefill: it gets this many tokens of a step "
+                            "before the others, the rest last (default: half of --max-num-batched-tokens; 0: off)")
+    group.add_argument("--max-long-partial-prefills", type=non_negative_int,
+                       help="long prefills in progress at once; shorter requests pass the others (default 1; "
+                            "0: no limit)")
     kv = group.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=positive_int, help="KV-cache size in blocks")
     kv.add_argument("--kv-cache-memory", type=parse_size, help="KV-cache size in bytes (e.g. 2GiB, 512MiB)")
@@ -93,8 +106,9 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
                       ("num_kv_blocks", "num_blocks"), ("kv_cache_memory", "kv_cache_memory_bytes"),
                       ("block_size", "block_size"), ("max_model_len", "max_model_len"), ("seed", "seed"),
                       ("device", "device"), ("dtype", "dtype"), ("weight_dtype", "weight_dtype"),
-                      ("kv_cache_dtype", "kv_cache_dtype"),
-                      ("max_waiting", "max_waiting")):
+                      ("kv_cache_dtype", "kv_cache_dtype"), ("max_waiting", "max_waiting"),
+                      ("long_prefill_token_threshold", "long_prefill_token_threshold"),
+                      ("max_long_partial_prefills", "max_long_partial_prefills")):
         value = getattr(args, name, None)
         if value is not None:
             options[key] = value

@@ -32,8 +32,9 @@ class Policy(Protocol):
     def on_arrival(self, request: Request, now: int) -> None:
         """A request entered the scheduler."""
 
-    def on_scheduled(self, request: Request, num_tokens: int) -> None:
-        """`request` got `num_tokens` tokens this step (called before `num_computed_tokens` advances)."""
+    def on_scheduled(self, request: Request, num_tokens: int, start: int | None = None) -> None:
+        """`request` got `num_tokens` tokens this step (called before `num_computed_tokens` advances), from
+        position `start` (None: `num_computed_tokens`; more: a second share of the same step)."""
 
     def on_finished(self, request: Request) -> None:
         """A request left the scheduler for good (finished, aborted or handed off)."""
@@ -104,7 +105,7 @@ class _RankedPolicy:
     def on_arrival(self, request: Request, now: int) -> None:
         self._sequence(request)
 
-    def on_scheduled(self, request: Request, num_tokens: int) -> None:
+    def on_scheduled(self, request: Request, num_tokens: int, start: int | None = None) -> None:
         pass
 
     def on_finished(self, request: Request) -> None:
@@ -274,8 +275,9 @@ class FairSharePolicy(_RankedPolicy):
             self._active.pop(user, None)
             self._last_left_counter = self.counters.get(user, 0.0)
 
-    def on_scheduled(self, request: Request, num_tokens: int) -> None:
-        start = request.num_computed_tokens
+    def on_scheduled(self, request: Request, num_tokens: int, start: int | None = None) -> None:
+        if start is None:
+            start = request.num_computed_tokens
         prompt_tokens = max(0, min(start + num_tokens, request.num_prompt_tokens) - start)
         samples = start + num_tokens >= request.num_tokens
         user = self._user(request)

@@ -1,11 +1,17 @@
 """The scheduler: which requests get how many tokens this step, under a token budget and a sequence cap.
 
 There are no prefill and decode phases. Every request has `num_computed_tokens` and catches up towards
-`num_tokens`; each step gives it `min(tokens left, budget left[, long_prefill_token_threshold])`, so a long
+`num_tokens`; each step gives it at most the tokens it has left and the budget left, so a long
 prompt is computed in chunks over several steps while other requests keep decoding. Running requests are
 served first, in policy order, then waiting ones are admitted in policy order. A running request that
 cannot get blocks preempts (by recompute) the running request the policy ranks last; a waiting request
 never preempts anyone: when it does not fit, admission stops for the step.
+
+Long prompts never starve short requests (issue 28). A request with more than the long-prefill threshold
+of tokens left (half the budget by default) is a long prefill: it gets at most the threshold until everyone
+else has had their turn, and at most `max_long_partial_prefills` of them are in progress at once; a waiting
+long prefill beyond that keeps its place but lets the shorter requests behind it be admitted. What budget is
+left at the end goes back to the long prefills, so a lone long prompt still fills whole steps.
 
 With speculative decoding on, a decoding request may also get draft tokens (`draft_token_ids`) from
 the budget and free blocks left after everyone's real tokens: drafts never preempt, never delay an
@@ -339,10 +345,10 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------------
 
-    def _chunk(self, num_left: int, budget: int) -> int:
+    @staticmethod
+    def _chunk(num_left: int, budget: int, threshold: int) -> int:
         # min() without the builtin calls: this runs for every row of every step.
         n = num_left if num_left < budget else budget  # noqa: FURB136 - the builtin call costs more
-        threshold = self.config.long_prefill_token_threshold
         return threshold if 0 < threshold < n else n
 
     def _preempt(self, request: Request) -> None:
@@ -374,8 +380,14 @@ class Scheduler:
         kv = self.kv_cache
         policy = self.policy
         budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_threshold
+        max_long = self.config.max_long_partial_prefills
         output = SchedulerOutput()
         scheduled_ids: set[str] = set()
+        # Long prefills' rows, held to the threshold until everyone else has had a turn (then topped up),
+        # and how many long prefills are in progress: beyond max_long, a waiting one lets others pass.
+        long_rows: list[ScheduledRequest] = []
+        num_long = 0
         kv_ns = 0
         timer = time.perf_counter_ns
 
@@ -389,6 +401,8 @@ class Scheduler:
                 kv.num_blocks_held(request.request_id), admitted, num_reused, hit_tokens))
             scheduled_ids.add(request.request_id)
             budget -= n
+            if threshold and request.num_tokens - start > threshold:
+                long_rows.append(output.scheduled[-1])
 
         # Each request's turn is isolated: what raises for one request fails that request alone.
         for request in self._in_policy_order(self._running, now, output, running=True):
@@ -397,7 +411,10 @@ class Scheduler:
             if request.request_id not in self._running:
                 continue  # preempted earlier in this step
             try:
-                n = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+                num_left = request.num_tokens - request.num_computed_tokens
+                if threshold and num_left > threshold:
+                    num_long += 1
+                n = self._chunk(num_left, budget, threshold)
                 if n <= 0:
                     continue  # nothing known left to compute (the caller has not appended a token yet)
                 # A decode token that fits the blocks held costs a check, not a timed allocation (two clock
@@ -425,6 +442,7 @@ class Scheduler:
                 self._fail_request(request, "scheduling", output)
 
         # Admitting right after preempting would only evict again what was just made room for.
+        held_for_blocks = False
         if not output.preempted:
             for request in self._waiting_in_order(now, output):
                 if budget <= 0 or len(self._running) >= self.config.max_num_seqs:
@@ -439,8 +457,11 @@ class Scheduler:
                     self._fail_request(request, "looking up the prefix cache for", output)
                     continue
                 num_left = request.num_tokens - num_hit
+                is_long = 0 < threshold < num_left
+                if is_long and 0 < max_long <= num_long:
+                    continue  # enough long prefills run: shorter requests behind this one go first
                 if self.config.enable_chunked_prefill:
-                    n = self._chunk(num_left, budget)
+                    n = self._chunk(num_left, budget, threshold)
                 elif num_left <= budget:
                     n = num_left
                 elif num_left > self.config.max_num_batched_tokens:
@@ -453,6 +474,7 @@ class Scheduler:
                     new_blocks = kv.allocate(request, n, computed_blocks, num_hit)
                     kv_ns += timer() - begin
                     if new_blocks is None:
+                        held_for_blocks = True
                         break  # waiting requests never preempt; later ones must not overtake it either
                     self._unwait(request.request_id)
                     self._running[request.request_id] = request
@@ -465,8 +487,17 @@ class Scheduler:
                         request.num_cached_tokens = num_hit
                     add(request, n, [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks],
                         True, len(computed_blocks), num_hit)
+                    num_long += is_long
                 except Exception:  # noqa: BLE001 - logged and turned into this request's error
                     self._fail_request(request, "admitting", output)
+
+        # Work-conserving: the budget nobody else took goes back to the long prefills, so a lone long
+        # prompt still fills whole steps. Not in a step that preempted or held a request for want of
+        # blocks: the free blocks are theirs.
+        if long_rows and budget > 0 and not output.preempted and not held_for_blocks:
+            used, top_up_kv_ns = self._top_up(long_rows, budget, output)
+            budget -= used
+            kv_ns += top_up_kv_ns
 
         # Drafts only from what is left over: none in a step that preempted, nor while a waiting request
         # is held back for want of blocks (the free blocks are its).
@@ -480,6 +511,36 @@ class Scheduler:
         output.kv_ns = kv_ns
         output.released_request_ids, self._released_ids = self._released_ids, []
         return output
+
+    def _top_up(self, rows: list[ScheduledRequest], budget: int, output: SchedulerOutput) -> tuple[int, int]:
+        """Extend long prefills' rows (in the order they were scheduled) by up to `budget` tokens in all,
+        as far as free blocks allow; never preempts. Returns (tokens added, KV ns)."""
+        kv = self.kv_cache
+        timer = time.perf_counter_ns
+        used = kv_ns = 0
+        for item in rows:
+            request = item.request
+            start, n = item.num_computed_tokens, item.num_tokens
+            extra = min(budget - used, request.num_tokens - start - n)
+            if extra <= 0 or request.request_id not in self._running:
+                continue  # done with its tokens, or failed since it was scheduled
+            try:
+                begin = timer()
+                new_blocks = kv.allocate(request, n + extra)
+                kv_ns += timer() - begin
+                if new_blocks is None:
+                    continue  # the pool is short: it keeps its first share
+                self.policy.on_scheduled(request, extra, start + n)
+            except Exception:  # noqa: BLE001 - logged and turned into this request's error
+                self._fail_request(request, "scheduling", output)
+                used -= n  # its row is gone with its first share
+                continue
+            item.num_tokens = n + extra
+            item.chunk.samples = start + n + extra == request.num_tokens
+            item.new_block_ids.extend(block.block_id for block in new_blocks)
+            item.num_blocks = kv.num_blocks_held(request.request_id)
+            used += extra
+        return used, kv_ns
 
     def _add_drafts(self, scheduled: list[ScheduledRequest], budget: int) -> tuple[int, int]:
         """Give decoding rows their proposals, within `budget` and the free blocks; (drafts added, KV ns)."""
