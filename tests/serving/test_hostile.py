@@ -765,12 +765,13 @@ def _check_500_while_preparing_a_stream(live: LiveServer, caplog: pytest.LogCapt
 
 @pytest.fixture(scope="module")
 def strict(tiny_checkpoint: Checkpoint) -> Iterator[LiveServer]:
-    """A server with 1 s header and body read timeouts, at most 8 connections, a 16-output stream backlog."""
+    """A server with 1 s header and body read timeouts, at most 8 requests in flight, a 16-output stream
+    backlog."""
     try:
         from tokenloop.config import ServerLimits
 
         limits = ServerLimits(header_read_timeout_s=1.0, body_read_timeout_s=1.0,
-                              max_concurrent_connections=8,
+                              max_concurrent_requests=8,
                               max_stream_backlog=16)
     except (ImportError, TypeError) as exc:
         pytest.skip(f"no configurable server limits: {exc}")
@@ -811,8 +812,8 @@ def test_slow_body_is_408(strict: LiveServer) -> None:
     engine_quiet(strict)
 
 
-def test_connection_limit(strict: LiveServer) -> None:
-    """Past the connection limit new requests are refused (503), and served again once others close."""
+def test_idle_connections_are_not_requests(strict: LiveServer) -> None:
+    """More idle connections than the request limit: nobody is refused (the limit counts requests)."""
     import socket
 
     host, port = strict.url.removeprefix("http://").split(":")
@@ -821,17 +822,10 @@ def test_connection_limit(strict: LiveServer) -> None:
         time.sleep(0.1)
         with httpx.Client(base_url=strict.url, timeout=10.0) as client:
             r = client.get("/v1/models", headers=AUTH)
-        assert r.status_code == 503, r.text[:300]
+        assert r.status_code == 200, r.text[:300]
     finally:
         for sock in idle:
             sock.close()
-    deadline = time.monotonic() + 10.0
-    while True:
-        with httpx.Client(base_url=strict.url, timeout=10.0) as client:
-            if client.get("/v1/models", headers=AUTH).status_code == 200:
-                break
-        assert time.monotonic() < deadline, "still refused after the idle connections closed"
-        time.sleep(0.1)
     engine_quiet(strict)
 
 
