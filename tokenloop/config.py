@@ -128,6 +128,7 @@ class SchedulerConfig:
     # `fair` (virtual token counters): what one served token costs its user.
     fair_prompt_token_weight: float = 1.0
     fair_output_token_weight: float = 2.0
+    fair_max_idle_users: int = 4096  # idle users whose counters fair share keeps (see FairSharePolicy)
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs > 0, f"max_num_seqs must be > 0, got {self.max_num_seqs}")
@@ -145,6 +146,7 @@ class SchedulerConfig:
                  f"sjf_aging_tokens_per_s must be >= 0, got {self.sjf_aging_tokens_per_s}")
         _require(self.fair_prompt_token_weight >= 0 and self.fair_output_token_weight >= 0,
                  "fair_prompt_token_weight and fair_output_token_weight must be >= 0")
+        _require(self.fair_max_idle_users >= 0, "fair_max_idle_users must be >= 0")
         _require(self.fair_prompt_token_weight + self.fair_output_token_weight > 0,
                  "fair_prompt_token_weight and fair_output_token_weight must not both be 0")
 
@@ -235,7 +237,10 @@ class ServerLimits:
     max_body_bytes: int = 8 * 1024 * 1024
     header_read_timeout_s: float = 10.0
     body_read_timeout_s: float = 30.0
-    max_concurrent_connections: int = 256
+    max_concurrent_requests: int = 256  # requests in flight (503 past it); idle connections do not count
+    # Open connections; past it the oldest one without a request in flight is closed. The server lowers it
+    # to what its open-file limit allows (see tokenloop.serving.connections).
+    max_connections: int = 100_000
     max_json_depth: int = 64
     max_n: int = 128
     max_stop_strings: int = 64
@@ -247,6 +252,10 @@ class ServerLimits:
     # A constraint (schema, regex, choice, grammar) must compile within this at the door (400 past it); typical
     # ones take 2-300 ms here.
     grammar_compile_timeout_s: float = 3.0
+    max_samples_per_request: int = 256  # prompts x n of one request
+    max_tools: int = 128  # tool definitions per chat request (OpenAI's own limit)
+    max_tools_bytes: int = 1024 * 1024  # their JSON text, all together
+    max_user_chars: int = 256  # `user` is a key of per-user state (fair share, session affinity)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

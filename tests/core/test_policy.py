@@ -235,3 +235,62 @@ def test_fair_treats_users_without_a_name_as_one_account() -> None:
     x, y = arrive(policy, req("x", 0), req("y", 1))
     policy.on_scheduled(x, x.num_tokens)
     assert policy.counter(None) == policy.counter("") > 0
+
+
+# ---- fair share: counters keyed by `user` are bounded ------------------------------------------------
+
+class _RememberEveryone(FairSharePolicy):
+    """The reference: fair share that never forgets an idle user."""
+
+    def _forget_idle(self) -> None:
+        pass
+
+
+def test_fair_forgetting_idle_users_changes_no_counter_a_request_sees() -> None:
+    """Random arrivals, service and departures of 300 users: every arriving user gets the counter it would
+    get if no idle user were ever forgotten, while the map holds far fewer users than ever came."""
+    import random
+
+    rng = random.Random(34)
+    pruned, reference = FairSharePolicy(max_idle_users=10**9), _RememberEveryone()
+    live: list[tuple[Request, Request]] = []
+    seen: set[str] = set()
+    for step in range(6000):
+        if live and rng.random() < 0.5:
+            pair = live.pop(rng.randrange(len(live)))
+            for policy, request in zip((pruned, reference), pair):
+                policy.on_finished(request)
+        else:
+            user = f"u{rng.randrange(300)}" if rng.random() < 0.9 else f"new{step}"
+            seen.add(user)
+            pair = (req(f"p{step}", step, user=user), req(f"r{step}", step, user=user))
+            for policy, request in zip((pruned, reference), pair):
+                policy.on_arrival(request, request.times.arrival)
+            assert pruned.counter(user) == reference.counter(user), f"step {step}: {user}"
+            live.append(pair)
+        for pair in live[:3]:
+            tokens = rng.randrange(1, 8)
+            for policy, request in zip((pruned, reference), pair):
+                policy.on_scheduled(request, tokens)
+    assert len(pruned.counters) < len(reference.counters) == len(seen)
+
+
+def test_fair_keeps_at_most_max_idle_users_above_the_floor() -> None:
+    """An active user with nothing served holds the floor at 0: every idle user is above it, and the
+    longest idle are forgotten past the cap."""
+    policy = FairSharePolicy(max_idle_users=10)
+    anchor, = arrive(policy, req("anchor", 0, user="anchor"))
+    for i in range(500):
+        request, = arrive(policy, req(f"r{i}", i + 1, user="x" * 200 + str(i)))
+        policy.on_scheduled(request, 4)
+        policy.on_finished(request)
+    assert len(policy.counters) <= 10 + 1
+    assert policy.counter("x" * 200 + "499") > 0  # the most recent idle user is remembered
+    policy.on_finished(anchor)
+
+
+def test_fair_max_idle_users_is_a_scheduler_setting() -> None:
+    policy = make_policy("fair", SchedulerConfig(policy="fair", fair_max_idle_users=7))
+    assert isinstance(policy, FairSharePolicy) and policy.max_idle_users == 7
+    with pytest.raises(ConfigError, match="fair_max_idle_users"):
+        SchedulerConfig(fair_max_idle_users=-1)

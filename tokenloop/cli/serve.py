@@ -169,7 +169,11 @@ _LIMIT_FLAGS = {
     "--max-body-bytes": ("max_body_bytes", parse_size, "largest request body (413 past it)"),
     "--header-read-timeout": ("header_read_timeout_s", float, "seconds a client has to send a request's headers"),
     "--body-read-timeout": ("body_read_timeout_s", float, "seconds a client has to send a request's body (408)"),
-    "--max-connections": ("max_concurrent_connections", int, "concurrent connections (503 past it)"),
+    "--max-concurrent-requests": ("max_concurrent_requests", int,
+                                  "requests in flight; idle connections do not count (503 past it)"),
+    "--max-connections": ("max_connections", int,
+                          "open connections, lowered to what the open-file limit allows; past it the oldest "
+                          "connection without a request in flight is closed"),
     "--max-n": ("max_n", int, "largest n (samples per prompt)"),
     "--max-stop-strings": ("max_stop_strings", int, "most stop strings per request"),
     "--max-stop-string-chars": ("max_stop_string_chars", int, "longest stop string"),
@@ -178,6 +182,10 @@ _LIMIT_FLAGS = {
                              "outputs a slow reader may fall behind before its request is aborted"),
     "--grammar-compile-timeout": ("grammar_compile_timeout_s", float,
                                   "seconds a structured-output constraint may take to compile (400 past it)"),
+    "--max-samples-per-request": ("max_samples_per_request", int, "prompts x n of one completions request"),
+    "--max-tools": ("max_tools", int, "tool definitions per chat request"),
+    "--max-tools-bytes": ("max_tools_bytes", parse_size, "size of a request's tool definitions as JSON"),
+    "--max-user-chars": ("max_user_chars", int, "longest `user` string"),
 }
 
 

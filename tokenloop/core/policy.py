@@ -15,7 +15,7 @@ once per request instead of once per step.
 from __future__ import annotations
 
 from bisect import insort
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Protocol
 
@@ -232,6 +232,11 @@ class FairSharePolicy(_RankedPolicy):
     A user who becomes active after idling is lifted to the smallest counter among active users, so
     idling earns no credit.
 
+    Counters are state keyed by what clients send, so they are bounded: an idle user (no unfinished
+    request) whose counter is at or below the floor (the smallest active counter, which never decreases)
+    would be lifted to the floor on return anyway and is forgotten, exactly; of the others, at most
+    `max_idle_users` are kept, and past it the longest idle is forgotten (its excess service forgiven).
+
     The preemption victim is the latest arrival, and running requests are served in arrival order, as
     in FCFS: fairness acts on admission order (as in VTC). A counter-based victim flips as counters grow, and under recompute preemption two requests
     can then throw each other's work away forever (a livelock hypothesis found with a 6-block pool).
@@ -240,13 +245,37 @@ class FairSharePolicy(_RankedPolicy):
     name = "fair"
     _ANONYMOUS = ""  # requests without `user` share one account
 
-    def __init__(self, prompt_weight: float = 1.0, output_weight: float = 2.0) -> None:
+    def __init__(self, prompt_weight: float = 1.0, output_weight: float = 2.0,
+                 max_idle_users: int = 4096) -> None:
         super().__init__()
         self.prompt_weight = prompt_weight
         self.output_weight = output_weight
+        self.max_idle_users = max_idle_users
         self.counters: dict[str, float] = {}
         self._active: dict[str, int] = {}  # user -> number of unfinished requests
+        self._idle: OrderedDict[str, None] = OrderedDict()  # users with a counter and none active, oldest first
+        self._left_since_sweep = 0
         self._last_left_counter = 0.0  # counter of the last user who went idle, the floor when none is active
+
+    def _floor(self) -> float:
+        """What a returning user is lifted to: the smallest active counter (never decreases)."""
+        if not self._active:
+            return self._last_left_counter
+        return min(self.counters.get(other, 0.0) for other in self._active)
+
+    def _forget_idle(self) -> None:
+        """Drop idle users the floor has passed (a sweep every so many departures: O(1) amortized), then
+        the longest idle past `max_idle_users`."""
+        self._left_since_sweep += 1
+        if self._left_since_sweep >= max(64, len(self._idle) // 2):
+            self._left_since_sweep = 0
+            floor = self._floor()
+            for user in [u for u in self._idle if self.counters.get(u, 0.0) <= floor]:
+                del self._idle[user]
+                self.counters.pop(user, None)
+        while len(self._idle) > self.max_idle_users:
+            user, _ = self._idle.popitem(last=False)
+            self.counters.pop(user, None)
 
     def _user(self, request: Request) -> str:
         return request.user if request.user is not None else self._ANONYMOUS
@@ -258,9 +287,8 @@ class FairSharePolicy(_RankedPolicy):
         super().on_arrival(request, now)
         user = self._user(request)
         if self._active.get(user, 0) == 0:
-            active = [self.counters.get(other, 0.0) for other in self._active]
-            floor = min(active) if active else self._last_left_counter
-            self.counters[user] = max(self.counters.get(user, 0.0), floor)
+            self._idle.pop(user, None)
+            self.counters[user] = max(self.counters.get(user, 0.0), self._floor())
         self._active[user] = self._active.get(user, 0) + 1
 
     def on_finished(self, request: Request) -> None:
@@ -274,6 +302,8 @@ class FairSharePolicy(_RankedPolicy):
         else:
             self._active.pop(user, None)
             self._last_left_counter = self.counters.get(user, 0.0)
+            self._idle[user] = None
+            self._forget_idle()
 
     def on_scheduled(self, request: Request, num_tokens: int, start: int | None = None) -> None:
         if start is None:
@@ -482,5 +512,6 @@ def make_policy(name: str, config: SchedulerConfig | None = None, *,
     if name == "sjf":
         return ShortestJobPolicy(config.sjf_aging_tokens_per_s, max_model_len)
     if name == "fair":
-        return FairSharePolicy(config.fair_prompt_token_weight, config.fair_output_token_weight)
+        return FairSharePolicy(config.fair_prompt_token_weight, config.fair_output_token_weight,
+                               config.fair_max_idle_users)
     raise ConfigError(f"unknown scheduling policy {name!r} (valid: {', '.join(SCHEDULING_POLICIES)})")

@@ -29,7 +29,7 @@ from tokenloop.serving.sse import DONE_FRAME, EventStreamResponse, frame
 from tokenloop.serving.structured_fields import (final_message, stream_deltas, stream_finish_reason,
                                                  tool_choice_of)
 from tokenloop.serving.validation import (check_context, check_context_lower_bound, check_messages,
-                                          check_sampling_fields, check_template_kwargs)
+                                          check_sampling_fields, check_template_kwargs, check_tools)
 from tokenloop.structured.tool_calls import ToolChoice, template_inputs
 from tokenloop.structured.tool_stream import ToolCallStream
 from tokenloop.tokenizer import strings_in
@@ -55,13 +55,14 @@ class ChatServing(ServingBase):
         check_messages(req.messages)
         check_template_kwargs(req.chat_template_kwargs)
         check_sampling_fields(req, self.edge)
+        check_tools(req.tools, self.edge.limits)
         # Every message renders to at least one token, every string to at least its share of characters.
         num_chars = sum(len(text) for text in strings_in(req.messages))
         check_context_lower_bound(max(len(req.messages), self.tokenizer.min_num_tokens(num_chars)), self.edge,
                                   "messages")
         try:
-            params = req.to_sampling_params()
-            tools = tool_choice_of(req)  # None without tools
+            tools = tool_choice_of(req)  # None without tools; parsed once, here
+            params = req.to_sampling_params(tools)
             messages, tool_kwargs = template_inputs(req.messages, tools, self.tokenizer.chat_template)
             template_kwargs = {**tool_kwargs, **(req.chat_template_kwargs or {})}
             text, token_ids = self.tokenizer.encode_chat(messages,

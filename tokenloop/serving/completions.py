@@ -25,6 +25,9 @@ from tokenloop.serving.sse import DONE_FRAME, EventStreamResponse, frame
 from tokenloop.serving.validation import (check_context, check_context_lower_bound, check_prompt_token_ids,
                                           check_sampling_fields)
 
+# A streamed chunk up to this size is built on the event loop (well under a millisecond); a larger one, off it.
+_ON_LOOP_ENTRIES, _ON_LOOP_CHARS = 64, 65_536
+
 # One logprob entry of a completion: a token id and its logprobs (None for a prompt token without any).
 _Entry = tuple[int, TokenLogprobs | None]
 
@@ -166,10 +169,17 @@ class CompletionsServing(ServingBase):
                     if not text and c.finish_reason is None and not (req.logprobs is not None and entries):
                         continue
                     choice.started = True
-                    logprobs = (self._completion_logprobs(entries, req.logprobs, choice.num_chars)
-                                if req.logprobs is not None else None)
+
+                    def piece(index: int = choice.index, text: str = text, entries: list[_Entry] = entries,
+                              offset: int = choice.num_chars, finish: str | None = c.finish_reason) -> str:
+                        logprobs = (self._completion_logprobs(entries, req.logprobs, offset)
+                                    if req.logprobs is not None else None)
+                        return chunk(index, text, logprobs, finish)
+
                     choice.num_chars += len(text)
-                    yield chunk(choice.index, text, logprobs, c.finish_reason)
+                    # An echoed prompt is thousands of tokens (with their logprobs): built off the event loop.
+                    big = len(entries) > _ON_LOOP_ENTRIES or len(text) > _ON_LOOP_CHARS
+                    yield await self.off_loop(piece) if big else piece()
         except RequestFailedError as exc:
             yield api_error(exc).frame()
             yield DONE_FRAME

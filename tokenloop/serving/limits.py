@@ -3,6 +3,9 @@
 `EdgeGuard` sits outside FastAPI, so it answers before a body is read or parsed:
 - the API key, on every route that accepts work or reveals request data (all of /v1, /tokenize,
   /detokenize, /admin); /health, /version, /metrics and the static dashboard page stay open;
+- requests in flight: past `max_concurrent_requests` a request is answered 503 (Retry-After) before its
+  body is read; the probes (/health, /metrics, /version) are always answered. Idle connections are not
+  requests and do not count (see `connections`);
 - the body: 413 past `max_body_bytes` (by Content-Length, or by counting while reading), 408 when
   the client does not finish sending it within `body_read_timeout_s`. The body is read here, whole
   and bounded, and replayed to the route;
@@ -29,6 +32,7 @@ API_KEY_ENV = "TOKENLOOP_API_KEY"
 _PROTECTED_PREFIXES = ("/v1/", "/admin/")
 _PROTECTED_PATHS = frozenset({"/v1", "/tokenize", "/detokenize", "/admin"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_PROBE_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
@@ -69,6 +73,7 @@ class EdgeGuard:
         self.app = app
         self.api_key = api_key
         self.limits = limits
+        self.in_flight = 0  # requests being served, probes left out (the event loop's own counter)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -79,6 +84,22 @@ class EdgeGuard:
             await _send_error(send, APIError(401, "Incorrect or missing API key: send `Authorization: Bearer "
                                                   "<key>`.", "invalid_request_error", None, "invalid_api_key"))
             return
+        if scope["path"] in _PROBE_PATHS:
+            await self._serve(scope, receive, send, headers)
+            return
+        if self.in_flight >= self.limits.max_concurrent_requests:
+            await _send_error(send, APIError(503, f"the server is serving {self.in_flight} requests, its limit; "
+                                                  "retry shortly", "server_error", None, "server_overloaded",
+                                             headers={"Retry-After": "1"}), close=scope["method"] in _BODY_METHODS)
+            return
+        self.in_flight += 1
+        try:
+            await self._serve(scope, receive, send, headers)
+        finally:
+            self.in_flight -= 1
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]) -> None:
+        """Read and bound the body, then run the app; an exception that escaped it is answered here."""
         if scope["method"] in _BODY_METHODS:
             try:
                 body = await self._read_body(headers, receive)

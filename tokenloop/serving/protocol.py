@@ -13,11 +13,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, with_config
+from typing_extensions import NotRequired, TypedDict
 
 from tokenloop.errors import InvalidRequestError
 from tokenloop.request import SamplingParams
 from tokenloop.serving.structured_fields import DeltaToolCall, ToolCall, structured_outputs_of
+from tokenloop.structured.tool_calls import ToolChoice
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound, and SamplingParams' on logprobs
 
 
 def random_id(prefix: str) -> str:
@@ -117,6 +121,36 @@ class _SamplingFields(_Request):
         )
 
 
+# ---- chat history: the shapes the tool-calling code and the templates rely on, checked before rendering
+# (roles and content are checked by validation.check_messages; other keys go to the template as sent).
+
+@with_config(ConfigDict(strict=True))
+class HistoryFunction(TypedDict):
+    """The function of an earlier assistant tool call: its name and its arguments as JSON text."""
+
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str
+
+
+@with_config(ConfigDict(strict=True, extra="allow"))
+class HistoryToolCall(TypedDict):
+    """One tool call of an earlier assistant turn."""
+
+    id: NotRequired[str]
+    type: NotRequired[Literal["function"]]
+    function: HistoryFunction
+
+
+@with_config(ConfigDict(strict=True, extra="allow"))
+class ChatMessageParam(TypedDict):
+    """A message of the conversation (validated to a plain dict)."""
+
+    role: NotRequired[Any]
+    content: NotRequired[Any]
+    tool_calls: NotRequired[list[HistoryToolCall] | None]
+    tool_call_id: NotRequired[str]
+
+
 # Tried in order: under strict validation a value matches one member at most, and pydantic's default
 # ("smart") mode validates a million token ids against every member, ~10x the time, holding the GIL.
 PromptInput = Annotated[str | list[int] | list[str] | list[list[int]], Field(union_mode="left_to_right")]
@@ -158,7 +192,7 @@ class CompletionRequest(_SamplingFields):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -172,13 +206,18 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, tools: ToolChoice | None = None) -> SamplingParams:
+        """SamplingParams of the chat request; `tools`: its tool mode, parsed by the caller (else here)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got "
+                                      f"{self.top_logprobs}", param="top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self._sampling_params(max_tokens, logprobs)
-        params.structured_outputs = structured_outputs_of(self)  # response_format, structured_outputs, tools
+        # response_format, structured_outputs, tools
+        params.structured_outputs = structured_outputs_of(self, tools)
         return params
 
     @property
@@ -199,7 +238,7 @@ class TokenizeChatRequest(_Request):
     """POST /tokenize with chat messages (rendered with the chat template first)."""
 
     model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessageParam] = Field(min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

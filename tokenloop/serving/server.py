@@ -20,9 +20,9 @@ from types import TracebackType
 
 import uvicorn
 from fastapi import FastAPI
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tokenloop.config import ServerLimits
+from tokenloop.serving.connections import ConnectionTable, connection_budget, guarded_h11, raise_open_file_limit
 from tokenloop.heap import settle_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class _Server(uvicorn.Server):
         self._app = app
         self._shutdown_timeout_s = shutdown_timeout_s
         self.engine_died = False  # the process must exit non-zero so that a supervisor restarts it
+        self.connection_table: ConnectionTable | None = None
 
     async def on_tick(self, counter: int) -> bool:
         async_engine = getattr(self._app.state, "async_engine", None)
@@ -73,54 +74,17 @@ class _Server(uvicorn.Server):
             await drain
 
 
-def _guarded_h11(header_read_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, plus a deadline for a request's headers (uvicorn has none: a client that
-    opens a connection and trickles bytes would hold it forever)."""
-
-    class GuardedH11Protocol(H11Protocol):
-        _header_deadline: asyncio.TimerHandle | None = None
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._header_deadline = self.loop.call_later(header_read_timeout_s, self._headers_too_slow)
-
-        def _disarm(self) -> None:
-            if self._header_deadline is not None:
-                self._header_deadline.cancel()
-                self._header_deadline = None
-
-        def _headers_too_slow(self) -> None:
-            self._header_deadline = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if self.cycle is not None and not self.cycle.response_complete:
-                self._disarm()  # the headers are in: the body has its own timeout (EdgeGuard)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()  # the next request on this keep-alive connection gets the same deadline
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-    return GuardedH11Protocol
-
-
 def _make_server(app: FastAPI, host: str, port: int, shutdown_timeout_s: float, log_level: str) -> _Server:
     limits = getattr(app.state, "limits", None) or ServerLimits()
+    table = ConnectionTable(connection_budget(limits))
+    # No limit_concurrency: uvicorn's counts sockets; requests in flight are counted by EdgeGuard. No
+    # WebSockets: an Upgrade header is ignored and the request served as plain HTTP.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", access_log=False,
                             timeout_graceful_shutdown=math.ceil(shutdown_timeout_s + _UVICORN_GRACE_S),
-                            http=_guarded_h11(limits.header_read_timeout_s),
-                            limit_concurrency=limits.max_concurrent_connections)
-    return _Server(config, app, shutdown_timeout_s)
+                            http=guarded_h11(limits, table), ws="none")
+    server = _Server(config, app, shutdown_timeout_s)
+    server.connection_table = table
+    return server
 
 
 def serve_forever(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, shutdown_timeout_s: float = 5.0,
@@ -130,6 +94,9 @@ def serve_forever(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, sh
     If the engine thread or the engine core process dies, in-flight requests are failed and this exits
     with status 3.
     """
+    soft, hard = raise_open_file_limit()
+    logger.info("open-file limit %d (hard %d): up to %d client connections", soft, hard,
+                connection_budget(getattr(app.state, "limits", None) or ServerLimits()))
     for sig in (signal.SIGINT, signal.SIGTERM):
         # uvicorn restores these after its own handling and re-raises the signal into them.
         signal.signal(sig, lambda *_: None)

@@ -64,8 +64,9 @@ def tool_choice_of(body: Any) -> ToolChoice | None:
                                getattr(body, "parallel_tool_calls", None))
 
 
-def structured_outputs_of(body: Any) -> StructuredOutputsParams | None:
-    """The one constraint a completions or chat request asks for, from whichever field asked for it."""
+def structured_outputs_of(body: Any, choice: ToolChoice | None = None) -> StructuredOutputsParams | None:
+    """The one constraint a completions or chat request asks for, from whichever field asked for it
+    (`choice`: the request's tool mode, when the caller has parsed its tools already)."""
     specs: list[StructuredOutputsParams] = []
     raw = getattr(body, "structured_outputs", None)
     if raw is not None:
@@ -73,7 +74,8 @@ def structured_outputs_of(body: Any) -> StructuredOutputsParams | None:
     from_format = response_format_spec(getattr(body, "response_format", None))
     if from_format is not None:
         specs.append(from_format)
-    choice = tool_choice_of(body) if hasattr(body, "tools") else None
+    if choice is None and hasattr(body, "tools"):
+        choice = tool_choice_of(body)
     forced = forced_call_constraint(choice) if choice is not None else None
     if forced is not None:
         specs.append(forced)

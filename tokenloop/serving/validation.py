@@ -156,6 +156,9 @@ def validate_body(model: type[ModelT], body: dict[str, Any]) -> ModelT:
 # ---- the sampling fields every generation route shares ------------------------------------------------
 
 INT32_MAX, INT64_MIN, INT64_MAX, UINT64_MAX = 2 ** 31 - 1, -(2 ** 63), 2 ** 63 - 1, 2 ** 64 - 1
+# The sampler holds its parameters as float32: a larger value becomes infinity there.
+FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Names the server passes to the chat template itself: a client may not override them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "add_generation_prompt", "tokenize",
@@ -179,6 +182,10 @@ def check_sampling_fields(req: Any, ctx: EdgeContext, num_prompts: int = 1) -> N
     if not 1 <= req.n <= limits.max_n:
         raise invalid(f"n must be between 1 and {limits.max_n}, got {req.n}", "n")
     samples = req.n * num_prompts
+    if samples > limits.max_samples_per_request:
+        param = "prompt" if num_prompts > limits.max_samples_per_request else "n"
+        raise invalid(f"this request asks for {samples} samples ({num_prompts} prompt(s) x n={req.n}); at most "
+                      f"{limits.max_samples_per_request} are allowed per request", param)
     if ctx.max_waiting is not None and samples > ctx.max_waiting:
         raise invalid(f"this request asks for {samples} samples ({num_prompts} prompt(s) x n={req.n}), more "
                       f"than the server's queue can ever hold ({ctx.max_waiting}); lower n", "n")
@@ -193,6 +200,12 @@ def check_sampling_fields(req: Any, ctx: EdgeContext, num_prompts: int = 1) -> N
     if not 0 <= req.min_tokens <= ctx.max_model_len:
         raise invalid(f"min_tokens must be between 0 and the context length ({ctx.max_model_len}), got "
                       f"{req.min_tokens}", "min_tokens")
+    for name in _FLOAT_FIELDS:
+        value = getattr(req, name)
+        if value is not None and abs(value) > FLOAT32_MAX:
+            raise invalid(f"{name} is out of range: {value:.3g} does not fit a 32-bit float", name)
+    if req.user is not None and len(req.user) > limits.max_user_chars:
+        raise invalid(f"user may be at most {limits.max_user_chars} characters long, got {len(req.user)}", "user")
     if req.cache_salt is not None and not 0 < len(req.cache_salt) <= limits.max_cache_salt_chars:
         raise invalid(f"cache_salt must be a non-empty string of at most {limits.max_cache_salt_chars} characters",
                       "cache_salt")
@@ -280,6 +293,17 @@ def check_messages(messages: list[Any]) -> None:
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise invalid(f"{where}.name must be a string", f"{where}.name")
+
+
+def check_tools(tools: list[Any] | None, limits: ServerLimits) -> None:
+    """A chat request's tool definitions within their count and size limits (before they are parsed)."""
+    if tools is None:
+        return
+    if len(tools) > limits.max_tools:
+        raise invalid(f"tools has {len(tools)} definitions; at most {limits.max_tools} are allowed", "tools")
+    size = len(json.dumps(tools, ensure_ascii=False))
+    if size > limits.max_tools_bytes:
+        raise invalid(f"tools take {size} bytes as JSON; at most {limits.max_tools_bytes} are allowed", "tools")
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
