@@ -36,7 +36,19 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                                "original_max_position_embeddings": 512,
                                                "short_factor": [1.0, 1.5, 2.5, 4.0],
                                                "long_factor": [2.0, 3.0, 5.0, 8.0]}}),
+    # Four (1 + w) norms a layer, GeGLU, QK-norm, its own attention scale; a sliding layer of 8 keys with its
+    # own rotary base before a global one: every prompt but the shortest is longer than the window.
+    "gemma3_text": ("Gemma3Model", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 24,
+                                    "sliding_window": 8,
+                                    "layer_types": ["sliding_attention", "full_attention"],
+                                    "rope_parameters": {"sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10000.0},
+                                                        "full_attention": {"rope_type": "default",
+                                                                           "rope_theta": 1e6}}}),
 }
+# Rows whose embedding starts narrower than std 1: Gemma scales it by sqrt(hidden), and at std 1 its residual
+# stream is the embedding and nothing else (greedy repeats one token, whatever the window).
+_EMBED_STD = {"gemma3_text": _SHAPE["hidden_size"] ** -0.5}
 GGUF_WRITTEN = ("llama", "qwen2", "qwen3")  # the rows the round trip covers (phi3's LongRoPE tensors: not yet)
 NEW_TOKENS = 12
 
@@ -59,7 +71,7 @@ def write_tiny_family(path: Path, model_type: str, seed: int = 0) -> Path:
             elif param.dim() == 1:  # norms
                 param.copy_(1.0 + torch.randn(param.shape, generator=gen) * 0.1)
             elif "embed_tokens" in name:
-                param.copy_(torch.randn(param.shape, generator=gen))
+                param.copy_(torch.randn(param.shape, generator=gen) * _EMBED_STD.get(model_type, 1.0))
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * param.shape[1] ** -0.5)
     model.save_pretrained(str(path), safe_serialization=True)
@@ -118,7 +130,8 @@ def test_mixed_step_logits_close_to_hf(family_dir: Path, use_cpu_kernels: bool) 
     checkpoint = load_checkpoint(str(family_dir))
     model = model_class(checkpoint.config.architecture).from_weights(checkpoint.config, checkpoint.weights,
                                                                      use_cpu_kernels=use_cpu_kernels)
-    fusable = not checkpoint.config.attention_bias and checkpoint.config.partial_rotary_factor == 1.0
+    fusable = not checkpoint.config.attention_bias and checkpoint.config.partial_rotary_factor == 1.0 \
+        and type(model).fused_layer_ops
     assert (model.fused_ops is not None) == (use_cpu_kernels and fusable)
     hf = AutoModelForCausalLM.from_pretrained(str(family_dir), dtype=torch.float32).eval()
     prompts = _prompts(checkpoint.config.vocab_size, seed=1, shared_prefix=8)
@@ -135,3 +148,14 @@ def test_f32_gguf_gives_the_same_tokens_as_safetensors(family_dir: Path, tmp_pat
     assert from_gguf.weights.keys() == from_hf.weights.keys()
     prompts = _token_prompts(seed=8)
     assert _ours_greedy(str(path), prompts) == _ours_greedy(str(family_dir), prompts)
+
+
+def test_sliding_window_decides_gemma3_tokens(tmp_path: Path) -> None:
+    """The gemma3 row above is no vacuous pass: with the window taken away the tokens differ from HF's."""
+    path = write_tiny_family(tmp_path / "gemma3", "gemma3_text")
+    prompts = _token_prompts(seed=7)
+    expected = _hf_greedy(path, prompts)
+    assert _ours_greedy(str(path), prompts) == expected
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "sliding_window": 1000}))
+    assert _ours_greedy(str(path), prompts) != expected

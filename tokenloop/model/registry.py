@@ -27,6 +27,10 @@ class Architecture:
     hf_classes: tuple[str, ...]  # HF config.json `architectures`
     gguf_names: str = ""  # the gguf package's MODEL_ARCH whose tensor names the files use ("": `name`)
     gguf_permutes_qk: bool = False  # llama.cpp's converter interleaves Q/K rows (llama-arch files only)
+    # What llama.cpp assumes of a file of this family where its metadata is silent: every n-th layer global,
+    # the others sliding (0: none), and the sliding layers' rotary base.
+    gguf_sliding_pattern: int = 0
+    gguf_sliding_rope_theta: float = 0.0
 
     @property
     def gguf_arch(self) -> str:
@@ -34,12 +38,15 @@ class Architecture:
 
 
 _LLAMA = "tokenloop.model.models.llama:LlamaModel"
+_GEMMA3 = "tokenloop.model.models.gemma3:Gemma3Model"
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", _LLAMA, ("LlamaForCausalLM",), gguf_permutes_qk=True),
     Architecture("mistral", _LLAMA, ("MistralForCausalLM",), gguf_names="llama", gguf_permutes_qk=True),
     Architecture("qwen2", _LLAMA, ("Qwen2ForCausalLM",)),
     Architecture("qwen3", "tokenloop.model.models.qwen3:Qwen3Model", ("Qwen3ForCausalLM",)),
     Architecture("phi3", "tokenloop.model.models.phi3:Phi3Model", ("Phi3ForCausalLM",)),
+    Architecture("gemma3", _GEMMA3, (), gguf_sliding_pattern=6, gguf_sliding_rope_theta=10000.0),
+    Architecture("gemma3_text", _GEMMA3, ("Gemma3ForCausalLM",), gguf_names="gemma3"),
 )}
 
 
