@@ -49,7 +49,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 # Rows whose embedding starts narrower than std 1: Gemma scales it by sqrt(hidden), and at std 1 its residual
 # stream is the embedding and nothing else (greedy repeats one token, whatever the window).
 _EMBED_STD = {"gemma3_text": _SHAPE["hidden_size"] ** -0.5}
-GGUF_WRITTEN = ("llama", "qwen2", "qwen3")  # the rows the round trip covers (phi3's LongRoPE tensors: not yet)
+# The rows the round trip covers (phi3's LongRoPE tensors: not yet).
+GGUF_WRITTEN = ("llama", "qwen2", "qwen3", "gemma3_text")
 NEW_TOKENS = 12
 
 

@@ -170,6 +170,9 @@ def _gguf_config(gguf: GGUFFile) -> ModelConfig:
         sliding = [pattern > 0 and i % pattern < pattern - 1 for i in range(num_layers)]
     else:
         sliding = [bool(flag) for flag in pattern]
+    # An attention scale other than head_dim ** -0.5 where the file states one (llama.cpp's Gemma 3 loader
+    # assumes head_dim, and hidden / heads for the 27B shape, which no file states).
+    scale = float(meta.get(f"{arch}.attention.scale") or 0.0)
     try:
         return ModelConfig(
             architecture=arch,
@@ -189,6 +192,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelConfig:
             layer_types=_layer_types(sliding) if any(sliding) else (),
             sliding_window=window if any(sliding) else 0,
             rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", family.gguf_sliding_rope_theta)),
+            query_pre_attn_scalar=scale ** -2 if scale > 0 else 0.0,
         )
     except ConfigError as exc:
         raise ModelLoadError(f"{gguf.path}: {exc}") from exc
