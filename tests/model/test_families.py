@@ -160,3 +160,59 @@ def test_sliding_window_decides_gemma3_tokens(tmp_path: Path) -> None:
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "sliding_window": 1000}))
     assert _ours_greedy(str(path), prompts) != expected
+
+
+def test_gemma3_prefix_hit_past_the_window_gives_the_same_tokens(tmp_path: Path) -> None:
+    """A second prompt sharing 24 tokens (three windows) with the first starts from cached blocks."""
+    path = write_tiny_family(tmp_path / "gemma3", "gemma3_text")
+    first, second = _token_prompts(seed=9)[2], _token_prompts(seed=10)[2]
+    second = first[:24] + second[24:]
+    expected = _hf_greedy(path, [second])[0]
+    llm = LLM(str(path), dtype="float32", block_size=4, num_blocks=256)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
+    assert out.metrics is not None and out.metrics.num_cached_tokens >= 24
+    assert out.outputs[0].token_ids == expected
+
+
+def test_gemma3_configs_of_every_vintage(tmp_path: Path) -> None:
+    """Sliding layers from an older HF config (`sliding_window_pattern`, `rope_local_base_freq`) and from a
+    GGUF that states no pattern (llama.cpp's every-6th layer global, local base 10000)."""
+    import gguf
+
+    from tokenloop.model.loader import load_model_info
+
+    path = write_tiny_family(tmp_path / "gemma3", "gemma3_text")
+    raw = json.loads((path / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        raw.pop(key)
+    (path / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 7, "sliding_window_pattern": 6,
+                                                  "rope_theta": 1e6, "rope_local_base_freq": 10000.0}))
+    config = load_model_info(str(path)).config
+    expected = ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+    assert config.layer_types == expected
+    assert (config.rope_theta, config.rope_local_theta, config.sliding_window) == (1e6, 10000.0, 8)
+    assert config.query_pre_attn_scalar == 24
+
+    gguf_path = write_tiny_gguf(write_tiny_family(tmp_path / "g", "gemma3_text"), tmp_path / "g.gguf")
+    reader = gguf.GGUFReader(str(gguf_path))
+    writer = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), arch="gemma3")
+    for field in reader.fields.values():  # the same file without the pattern, the local base and the scale
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture",
+                                                            "gemma3.attention.sliding_window_pattern",
+                                                            "gemma3.rope.freq_base_swa", "gemma3.attention.scale"):
+            continue
+        value = field.contents()
+        writer.add_key_value(field.name, 7 if field.name == "gemma3.block_count" else value, field.types[0],
+                             sub_type=field.types[-1] if len(field.types) > 1 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    from tokenloop.model.gguf_file import GGUFFile
+    from tokenloop.model.loader import _gguf_config
+
+    config = _gguf_config(GGUFFile(tmp_path / "bare.gguf"))
+    assert config.layer_types == expected
+    assert (config.rope_theta, config.rope_local_theta, config.sliding_window) == (1e6, 10000.0, 8)
+    assert config.query_pre_attn_scalar == 0.0  # head_dim
