@@ -199,8 +199,8 @@ def test_gemma3_configs_of_every_vintage(tmp_path: Path) -> None:
     reader = gguf.GGUFReader(str(gguf_path))
     writer = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), arch="gemma3")
     for field in reader.fields.values():  # the same file without the pattern, the local base and the scale
-        dropped = ("general.architecture", "gemma3.attention.sliding_window_pattern", "gemma3.rope.freq_base_swa",
-                   "gemma3.attention.scale")
+        dropped = ("general.architecture", "gemma3.attention.sliding_window_pattern",
+                   "gemma3.rope.freq_base_swa", "gemma3.attention.scale")
         if field.name.startswith("GGUF.") or field.name in dropped:
             continue
         value = field.contents()
