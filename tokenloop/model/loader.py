@@ -119,7 +119,7 @@ def load_model_info(model: str = DEFAULT_MODEL) -> ModelInfo:
         config, tokenizer = _hf_config(path), Tokenizer.from_pretrained_dir(path)
     elif path.suffix == ".gguf" or _looks_like_gguf(path):
         gguf = GGUFFile(path)
-        config, tokenizer = _gguf_config(gguf), Tokenizer.from_gguf(gguf.metadata, source=str(path))
+        config, tokenizer = _gguf_config(gguf), _gguf_tokenizer(gguf)
     else:
         raise ModelLoadError(f"{path}: not a .gguf file or a checkpoint directory")
     return ModelInfo(name=model, path=path, config=config, tokenizer=tokenizer)
@@ -227,7 +227,6 @@ def _load_gguf(path: Path, keep_quantized: bool = False,
 
     from tokenloop.model.quantized import GGMLTensor
     from tokenloop.model.weights import gguf_to_hf_names
-    from tokenloop.tokenizer import Tokenizer
 
     gguf = GGUFFile(path)
     config = _gguf_config(gguf)
@@ -249,8 +248,22 @@ def _load_gguf(path: Path, keep_quantized: bool = False,
         if order is not None:
             array = array[order]
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
-    tokenizer = Tokenizer.from_gguf(gguf.metadata, source=str(path))
-    return config, weights, tokenizer
+    return config, weights, _gguf_tokenizer(gguf)
+
+
+def _gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
+    """The file's tokenizer, with its family's chat template and end-of-turn token where it names none."""
+    from tokenloop.tokenizer import Tokenizer
+    from tokenloop.tokenizer.family_templates import TEMPLATES
+
+    meta = dict(gguf.metadata)
+    family = registry.architecture(meta.get("general.architecture"), str(gguf.path))
+    if family.gguf_chat_template and "tokenizer.chat_template" not in meta:
+        meta["tokenizer.chat_template"] = TEMPLATES[family.gguf_chat_template]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    if family.gguf_end_of_turn in tokens and "tokenizer.ggml.eot_token_id" not in meta:
+        meta["tokenizer.ggml.eot_token_id"] = tokens.index(family.gguf_end_of_turn)
+    return Tokenizer.from_gguf(meta, source=str(gguf.path))
 
 
 # -- Hugging Face directory ----------------------------------------------------------------------
