@@ -26,7 +26,8 @@ from tokenloop.model.layers.rotary import RotaryTables, apply_rope, rope_inverse
 from tokenloop.model.models.llama import LayerWeights, LlamaModel
 from tokenloop.model.weights import WeightSource
 
-_NORMS = ("input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm", "q_norm", "k_norm")
+_NORMS = ("input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm", "q_norm",
+          "k_norm")
 
 
 @dataclass
@@ -48,8 +49,8 @@ class Gemma3Model(LlamaModel):
     def __init__(self, config: ModelConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.final_norm = offset_norm_weight(self.final_norm)
-        self.layers = [dataclasses.replace(layer, **{n: offset_norm_weight(getattr(layer, n)) for n in _NORMS})
-                       for layer in self.layers]
+        self.layers = [dataclasses.replace(layer, **{n: offset_norm_weight(getattr(layer, n))
+                                                     for n in _NORMS}) for layer in self.layers]
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.embed_scale = torch.tensor(math.sqrt(config.hidden_size), dtype=self.dtype, device=self.device)
         local_freq = rope_inverse_frequencies(config.rotary_dim, config.rope_local_theta or config.rope_theta,
@@ -97,8 +98,9 @@ class Gemma3Model(LlamaModel):
         layout = {False: attn, True: attn.windowed(cfg.sliding_window) if cfg.sliding_window else attn}
         tick = self.progress.tick
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
-            assert isinstance(layer, Gemma3LayerWeights) and layer.q_norm is not None and layer.k_norm is not None
-            assert layer.pre_feedforward_norm is not None and layer.post_feedforward_norm is not None
+            assert isinstance(layer, Gemma3LayerWeights) and layer.q_norm is not None \
+                and layer.k_norm is not None and layer.pre_feedforward_norm is not None \
+                and layer.post_feedforward_norm is not None
             sliding = cfg.is_sliding(index)
             cos, sin = rotary[sliding]
             qkv = linear(rms_norm(hidden, layer.input_norm, eps), layer.qkv)
