@@ -115,14 +115,20 @@ class AttentionMetadata:
             token_index = starts[decode_rows].to(device)
             decode = DecodeGroup(token_index=token_index, block_table=blocks, seq_lens=lens, kernel=decode_kernel)
             if decode_kernel is None:
-                # Padding entries past a request's last block may hold garbage ids: point them at its first block.
                 valid_blocks = (lens + block_size - 1) // block_size
-                block_pos = torch.arange(max_blocks, device=device)
-                decode.block_index = torch.where(block_pos[None, :] < valid_blocks[:, None], blocks, blocks[:, :1])
-                key_pos = torch.arange(max_blocks * block_size, device=device)
-                visible = key_pos[None, :] < lens[:, None]
+                block_pos = torch.arange(max_blocks, device=device)[None, :]
+                picked = blocks
+                if window > 0:  # gather only the window's blocks: from the one holding its first key
+                    span = min(max_blocks, (window - 1) // block_size + 2)
+                    block_pos = ((lens - window).clamp(min=0) // block_size)[:, None] + block_pos[:, :span]
+                    picked = blocks.gather(1, block_pos.clamp(max=max_blocks - 1))
+                # Padding entries past a request's last block may hold garbage ids: point them at its first.
+                decode.block_index = torch.where(block_pos < valid_blocks[:, None], picked, blocks[:, :1])
+                offsets = torch.arange(block_size, device=device)
+                key_pos = (block_pos[..., None] * block_size + offsets).flatten(-2)
+                visible = key_pos < lens[:, None]
                 if window > 0:
-                    visible &= key_pos[None, :] >= lens[:, None] - window
+                    visible &= key_pos >= lens[:, None] - window
                 decode.mask = visible[:, None, None, :]
 
         prefills: list[PrefillSpan] = []
@@ -143,7 +149,9 @@ class AttentionMetadata:
             if fresh and not 0 < window < q_len:
                 prefills.append(PrefillSpan(start, start + q_len, None, None))
                 continue
-            positions = torch.arange(seq_len, device=device)
+            # A windowed chunk reads from the first key its first query sees.
+            first_key = max(0, seq_len - q_len - window + 1) if window > 0 and not fresh else 0
+            positions = torch.arange(first_key, seq_len, device=device)
             slots = None if fresh else \
                 block_table[row, positions // block_size] * block_size + positions % block_size
             query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
