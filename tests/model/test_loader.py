@@ -22,6 +22,9 @@ from tokenloop.model.gguf_file import GGUFFile
 from tokenloop.model.loader import load_checkpoint
 
 
+# HF model_type -> the GGUF general.architecture llama.cpp's converter writes, where they differ.
+_GGUF_ARCH = {"gemma3_text": "gemma3"}
+
 
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """What convert_hf_to_gguf does to Q/K rows of llama-arch models (interleaved rotary pairs)."""
@@ -35,7 +38,7 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
     `general.architecture` to write; default the checkpoint's model_type; names follow the model_type)."""
     config = json.loads((hf_dir / "config.json").read_text())
     model_type = config["model_type"]
-    arch = arch or model_type
+    arch = arch or _GGUF_ARCH.get(model_type, model_type)
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = {token: index for token, index in tok["model"]["vocab"].items()}
     for added in tok.get("added_tokens", []):
@@ -54,7 +57,16 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
     if config.get("head_dim"):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
-    writer.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    rope = config.get("rope_parameters") or {}
+    if "full_attention" in rope:  # per layer kind (Gemma 3): the sliding layers' base goes under its own key
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        rope = rope["full_attention"]
+    writer.add_rope_freq_base(config.get("rope_theta") or rope["rope_theta"])
+    if "sliding_attention" in (config.get("layer_types") or ()):
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
+    if config.get("query_pre_attn_scalar"):
+        writer.add_attention_scale(config["query_pre_attn_scalar"] ** -0.5)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
@@ -66,12 +78,15 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     # The HF -> GGUF direction of the gguf package's own map: the converter's names, independent of the loader's.
-    names_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == model_type)
+    names_from = _GGUF_ARCH.get(model_type, model_type)
+    names_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == names_from)
     names = gguf.get_tensor_name_map(names_arch, config["num_hidden_layers"])
     permuted = model_type == "llama"  # convert_hf_to_gguf interleaves Q/K rows of llama-arch models only
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         array = tensor.numpy()
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + np.float32(1.0)  # the converter stores Gemma's (1 + w) norms with the 1 added
         if permuted and name.endswith("self_attn.q_proj.weight"):
             array = _llama_cpp_permute(array, heads)
         elif permuted and name.endswith("self_attn.k_proj.weight"):

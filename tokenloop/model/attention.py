@@ -52,7 +52,7 @@ class PrefillSpan:
     token_start: int
     token_end: int
     context_slots: torch.Tensor | None  # [seq_len] slots to read; None when the context is only this step's tokens
-    mask: torch.Tensor | None  # [q_len, seq_len] bool, causal aligned bottom-right; None when fresh (plain causal)
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, causal bottom-right (and windowed); None: plain causal
 
 
 @dataclass
@@ -79,6 +79,7 @@ class AttentionMetadata:
     decode: DecodeGroup | None
     prefills: list[PrefillSpan]
     prefill_group: PrefillGroup | None = None  # set instead of `prefills` when a prefill kernel runs them
+    window: int = 0  # keys a query sees, itself included (0: its whole context)
 
     @classmethod
     def build(
@@ -90,9 +91,13 @@ class AttentionMetadata:
         block_size: int,
         decode_kernel: ModuleType | None = None,
         prefill_kernel: ModuleType | None = None,
+        window: int = 0,
     ) -> AttentionMetadata:
         """The layout from the step's flat tensors; `query_start_loc` [B+1] and `seq_lens` [B] may be int64
-        host tensors (the runner's, built over the batch at once) or lists."""
+        host tensors (the runner's, built over the batch at once) or lists. With a `window`, each query sees
+        only the `window` latest keys up to itself, through masks (the in-place kernels know no window)."""
+        if window > 0:
+            decode_kernel = prefill_kernel = None
         device = slot_mapping.device
         starts = torch.as_tensor(query_start_loc, dtype=torch.long)
         lens_all = torch.as_tensor(seq_lens, dtype=torch.long)
@@ -110,12 +115,21 @@ class AttentionMetadata:
             token_index = starts[decode_rows].to(device)
             decode = DecodeGroup(token_index=token_index, block_table=blocks, seq_lens=lens, kernel=decode_kernel)
             if decode_kernel is None:
-                # Padding entries past a request's last block may hold garbage ids: point them at its first block.
                 valid_blocks = (lens + block_size - 1) // block_size
-                block_pos = torch.arange(max_blocks, device=device)
-                decode.block_index = torch.where(block_pos[None, :] < valid_blocks[:, None], blocks, blocks[:, :1])
-                key_pos = torch.arange(max_blocks * block_size, device=device)
-                decode.mask = (key_pos[None, :] < lens[:, None])[:, None, None, :]
+                block_pos = torch.arange(max_blocks, device=device)[None, :]
+                picked = blocks
+                if window > 0:  # gather only the window's blocks: from the one holding its first key
+                    span = min(max_blocks, (window - 1) // block_size + 2)
+                    block_pos = ((lens - window).clamp(min=0) // block_size)[:, None] + block_pos[:, :span]
+                    picked = blocks.gather(1, block_pos.clamp(max=max_blocks - 1))
+                # Padding entries past a request's last block may hold garbage ids: point them at its first.
+                decode.block_index = torch.where(block_pos < valid_blocks[:, None], picked, blocks[:, :1])
+                offsets = torch.arange(block_size, device=device)
+                key_pos = (block_pos[..., None] * block_size + offsets).flatten(-2)
+                visible = key_pos < lens[:, None]
+                if window > 0:
+                    visible &= key_pos >= lens[:, None] - window
+                decode.mask = visible[:, None, None, :]
 
         prefills: list[PrefillSpan] = []
         starts_list, lens_list = starts.tolist(), lens_all.tolist()
@@ -126,19 +140,32 @@ class AttentionMetadata:
                 query_starts=starts[prefill_rows].to(device), query_lens=query_lens[prefill_rows].to(device),
                 seq_lens=lens_all[prefill_rows].to(device), max_query_len=int(query_lens[prefill_rows].max()),
                 kernel=prefill_kernel)
-            return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, [], group)
+            return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, [], group,
+                       window)
         for row in prefill_rows.tolist():  # prefill chunks are few per step
             start, seq_len = starts_list[row], lens_list[row]
             q_len = starts_list[row + 1] - start
-            if seq_len == q_len:  # nothing cached before this chunk: attend over the new K/V directly
+            fresh = seq_len == q_len  # nothing cached before this chunk: attend over the new K/V directly
+            if fresh and not 0 < window < q_len:
                 prefills.append(PrefillSpan(start, start + q_len, None, None))
                 continue
-            positions = torch.arange(seq_len, device=device)
-            slots = block_table[row, positions // block_size] * block_size + positions % block_size
+            # A windowed chunk reads from the first key its first query sees.
+            first_key = max(0, seq_len - q_len - window + 1) if window > 0 and not fresh else 0
+            positions = torch.arange(first_key, seq_len, device=device)
+            slots = None if fresh else \
+                block_table[row, positions // block_size] * block_size + positions % block_size
             query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
             mask = positions[None, :] <= query_pos[:, None]
+            if window > 0:
+                mask &= positions[None, :] > query_pos[:, None] - window
             prefills.append(PrefillSpan(start, start + q_len, slots, mask))
-        return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, prefills)
+        return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, prefills, None,
+                   window)
+
+    def windowed(self, window: int) -> AttentionMetadata:
+        """The same step's layout for layers that attend over a sliding window of `window` keys."""
+        return AttentionMetadata.build(self.query_start_loc, self.seq_lens, self.block_table,
+                                       self.slot_mapping, self.block_size, window=window)
 
 
 def triton_attention_kernels() -> ModuleType | None:

@@ -119,7 +119,7 @@ def load_model_info(model: str = DEFAULT_MODEL) -> ModelInfo:
         config, tokenizer = _hf_config(path), Tokenizer.from_pretrained_dir(path)
     elif path.suffix == ".gguf" or _looks_like_gguf(path):
         gguf = GGUFFile(path)
-        config, tokenizer = _gguf_config(gguf), Tokenizer.from_gguf(gguf.metadata, source=str(path))
+        config, tokenizer = _gguf_config(gguf), _gguf_tokenizer(gguf)
     else:
         raise ModelLoadError(f"{path}: not a .gguf file or a checkpoint directory")
     return ModelInfo(name=model, path=path, config=config, tokenizer=tokenizer)
@@ -136,7 +136,8 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 
 def _gguf_config(gguf: GGUFFile) -> ModelConfig:
     meta = gguf.metadata
-    arch = registry.architecture(meta.get("general.architecture"), str(gguf.path)).name
+    family = registry.architecture(meta.get("general.architecture"), str(gguf.path))
+    arch = family.name
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -159,13 +160,26 @@ def _gguf_config(gguf: GGUFFile) -> ModelConfig:
     vocab = meta.get(f"{arch}.vocab_size")
     if vocab is None:
         vocab = len(meta.get("tokenizer.ggml.tokens", []))
+    num_layers = int(get("block_count"))
+    window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+    # Which layers slide: the file's per-layer flags, or the family's fixed interleave llama.cpp assumes.
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", family.gguf_sliding_pattern)
+    if not window:
+        sliding = [False] * num_layers
+    elif isinstance(pattern, (int, np.integer)):
+        sliding = [pattern > 0 and i % pattern < pattern - 1 for i in range(num_layers)]
+    else:
+        sliding = [bool(flag) for flag in pattern]
+    # An attention scale other than head_dim ** -0.5 where the file states one (llama.cpp's Gemma 3 loader
+    # assumes head_dim, and hidden / heads for the 27B shape, which no file states).
+    scale = float(meta.get(f"{arch}.attention.scale") or 0.0)
     try:
         return ModelConfig(
             architecture=arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -175,9 +189,17 @@ def _gguf_config(gguf: GGUFFile) -> ModelConfig:
             max_position_embeddings=int(get("context_length", 2048)),
             tie_word_embeddings="output.weight" not in gguf.tensors,
             attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+            layer_types=_layer_types(sliding) if any(sliding) else (),
+            sliding_window=window if any(sliding) else 0,
+            rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", family.gguf_sliding_rope_theta)),
+            query_pre_attn_scalar=scale ** -2 if scale > 0 else 0.0,
         )
     except ConfigError as exc:
         raise ModelLoadError(f"{gguf.path}: {exc}") from exc
+
+
+def _layer_types(sliding: list[bool]) -> tuple[str, ...]:
+    return tuple("sliding_attention" if s else "full_attention" for s in sliding)
 
 
 def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -205,13 +227,12 @@ def _load_gguf(path: Path, keep_quantized: bool = False,
 
     from tokenloop.model.quantized import GGMLTensor
     from tokenloop.model.weights import gguf_to_hf_names
-    from tokenloop.tokenizer import Tokenizer
 
     gguf = GGUFFile(path)
     config = _gguf_config(gguf)
     arch = registry.architecture(config.architecture, str(path))
-    names = gguf_to_hf_names(arch.gguf_arch, config.num_layers,
-                             registry.model_class(arch.name).tensor_names(config))
+    model_cls = registry.model_class(arch.name)
+    names = gguf_to_hf_names(arch.gguf_arch, config.num_layers, model_cls.tensor_names(config))
     weights: dict[str, torch.Tensor | GGMLTensor] = {}
     for name, info in gguf.tensors.items():
         hf_name = names.get(name)
@@ -223,12 +244,26 @@ def _load_gguf(path: Path, keep_quantized: bool = False,
             kept = GGMLTensor.from_raw(info.tensor_type, info.shape, gguf.raw(name))
             weights[hf_name] = kept if order is None else kept.take_rows(order)
             continue
-        array = gguf.load(name)
+        array = model_cls.gguf_tensor(hf_name, gguf.load(name))
         if order is not None:
             array = array[order]
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
-    tokenizer = Tokenizer.from_gguf(gguf.metadata, source=str(path))
-    return config, weights, tokenizer
+    return config, weights, _gguf_tokenizer(gguf)
+
+
+def _gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
+    """The file's tokenizer, with its family's chat template and end-of-turn token where it names none."""
+    from tokenloop.tokenizer import Tokenizer
+    from tokenloop.tokenizer.family_templates import TEMPLATES
+
+    meta = dict(gguf.metadata)
+    family = registry.architecture(meta.get("general.architecture"), str(gguf.path))
+    if family.gguf_chat_template and "tokenizer.chat_template" not in meta:
+        meta["tokenizer.chat_template"] = TEMPLATES[family.gguf_chat_template]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    if family.gguf_end_of_turn in tokens and "tokenizer.ggml.eot_token_id" not in meta:
+        meta["tokenizer.ggml.eot_token_id"] = tokens.index(family.gguf_end_of_turn)
+    return Tokenizer.from_gguf(meta, source=str(gguf.path))
 
 
 # -- Hugging Face directory ----------------------------------------------------------------------
@@ -245,6 +280,9 @@ def _hf_config(path: Path) -> ModelConfig:
     # transformers >= 5 writes theta and scaling together as `rope_parameters`; older files, `rope_theta` and
     # `rope_scaling` apart.
     rope_raw = raw.get("rope_parameters") or {}
+    local_raw: dict[str, Any] = {}
+    if "full_attention" in rope_raw:  # one set per layer kind (transformers >= 5, Gemma 3)
+        rope_raw, local_raw = rope_raw["full_attention"] or {}, rope_raw.get("sliding_attention") or {}
     theta = rope_raw.get("rope_theta", raw.get("rope_theta", 10000.0))
     scaling_raw = raw.get("rope_scaling") or {k: v for k, v in rope_raw.items()
                                               if k not in ("rope_theta", "partial_rotary_factor")}
@@ -265,12 +303,19 @@ def _hf_config(path: Path) -> ModelConfig:
         ) if scaling_raw else RopeScaling()
         hidden = int(raw["hidden_size"])
         num_heads = int(raw["num_attention_heads"])
+        num_layers = int(raw["num_hidden_layers"])
+        layer_types = tuple(raw.get("layer_types") or ())
+        # Older Gemma 3 configs say only "every n-th layer global".
+        pattern = int(raw.get("sliding_window_pattern") or 0)
+        if not layer_types and pattern and raw.get("sliding_window"):
+            layer_types = _layer_types([(i + 1) % pattern != 0 for i in range(num_layers)])
+        sliding = "sliding_attention" in layer_types
         return ModelConfig(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
@@ -282,6 +327,10 @@ def _hf_config(path: Path) -> ModelConfig:
             attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
             partial_rotary_factor=float(rope_raw.get("partial_rotary_factor")
                                         or raw.get("partial_rotary_factor") or 1.0),
+            layer_types=layer_types if sliding else (),
+            sliding_window=int(raw.get("sliding_window") or 0) if sliding else 0,
+            rope_local_theta=float(local_raw.get("rope_theta", raw.get("rope_local_base_freq") or 0.0)),
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 0.0),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{config_file}: missing field {exc.args[0]!r}") from exc

@@ -27,6 +27,14 @@ class Architecture:
     hf_classes: tuple[str, ...]  # HF config.json `architectures`
     gguf_names: str = ""  # the gguf package's MODEL_ARCH whose tensor names the files use ("": `name`)
     gguf_permutes_qk: bool = False  # llama.cpp's converter interleaves Q/K rows (llama-arch files only)
+    # What llama.cpp assumes of a file of this family where its metadata is silent: every n-th layer global,
+    # the others sliding (0: none), and the sliding layers' rotary base.
+    gguf_sliding_pattern: int = 0
+    gguf_sliding_rope_theta: float = 0.0
+    # Where a GGUF names none: its chat template (a name in tokenizer/family_templates.py) and the token
+    # text that ends a turn (an end-of-generation id besides eos).
+    gguf_chat_template: str = ""
+    gguf_end_of_turn: str = ""
 
     @property
     def gguf_arch(self) -> str:
@@ -34,12 +42,16 @@ class Architecture:
 
 
 _LLAMA = "tokenloop.model.models.llama:LlamaModel"
+_GEMMA3 = "tokenloop.model.models.gemma3:Gemma3Model"
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", _LLAMA, ("LlamaForCausalLM",), gguf_permutes_qk=True),
     Architecture("mistral", _LLAMA, ("MistralForCausalLM",), gguf_names="llama", gguf_permutes_qk=True),
     Architecture("qwen2", _LLAMA, ("Qwen2ForCausalLM",)),
     Architecture("qwen3", "tokenloop.model.models.qwen3:Qwen3Model", ("Qwen3ForCausalLM",)),
     Architecture("phi3", "tokenloop.model.models.phi3:Phi3Model", ("Phi3ForCausalLM",)),
+    Architecture("gemma3", _GEMMA3, (), gguf_sliding_pattern=6, gguf_sliding_rope_theta=10000.0,
+                 gguf_chat_template="gemma", gguf_end_of_turn="<end_of_turn>"),
+    Architecture("gemma3_text", _GEMMA3, ("Gemma3ForCausalLM",), gguf_names="gemma3"),
 )}
 
 

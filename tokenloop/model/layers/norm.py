@@ -22,3 +22,9 @@ def head_rms_norm_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor
     k = qkv[:, q_size:q_size + kv_size].view(tokens, num_kv_heads, head_dim)
     q.copy_(rms_norm(q, q_norm.to(qkv.dtype), eps))
     k.copy_(rms_norm(k, k_norm.to(qkv.dtype), eps))
+
+
+def offset_norm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Gemma's RMSNorm scales by (1 + w): the 1 folded into the weight once, so `rms_norm` runs it (in fp32
+    the same numbers as adding it at every call)."""
+    return weight + 1.0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from tokenloop.config import ModelConfig
@@ -144,6 +145,11 @@ class LlamaModel:
         return names
 
     @classmethod
+    def gguf_tensor(cls, hf_name: str, array: np.ndarray) -> np.ndarray:
+        """A GGUF's dense tensor as HF's checkpoint holds it (where a family's converter changed it)."""
+        return array
+
+    @classmethod
     def layer_weights(cls, source: WeightSource, config: ModelConfig, index: int) -> LayerWeights:
         """Layer `index`'s weights from the checkpoint."""
         p = f"model.layers.{index}."
@@ -234,12 +240,24 @@ class LlamaModel:
         self.last_weight_form = self.weight_form(num_tokens)
         if self.fused_ops is not None:
             return fused_cpu.forward_fused(self, input_ids, positions, attn, kv_caches, logits_indices)
+        hidden = self.decoder_layers(self.embed_tokens(input_ids), positions, attn, kv_caches)
+        if logits_indices is not None:
+            hidden = hidden.index_select(0, logits_indices)
+        return self.lm_head(rms_norm(hidden, self.final_norm, cfg.rms_norm_eps))
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start: each token's embedding row [T, hidden]."""
+        return self.embed.index_select(0, input_ids)
+
+    def decoder_layers(self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The residual stream [T, hidden] through every layer (the op path), before the final norm."""
+        cfg = self.config
+        num_tokens = hidden.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         cos, sin = self.rotary.at(positions)
-
-        hidden = self.embed.index_select(0, input_ids)
         tick = self.progress.tick
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
             normed = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
@@ -255,7 +273,4 @@ class LlamaModel:
             hidden = hidden + gated_mlp(rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps),
                                         layer.gate_up, layer.down)
             tick()
-
-        if logits_indices is not None:
-            hidden = hidden.index_select(0, logits_indices)
-        return self.lm_head(rms_norm(hidden, self.final_norm, cfg.rms_norm_eps))
+        return hidden
