@@ -35,7 +35,8 @@ def make_admin_router(get_engine: Callable[[], Any]) -> APIRouter:
         except ValueError:
             engine = get_engine()
             count = len(getattr(engine.client, "replicas", []))
-            raise ReplicaNotFoundError(f"no replica {index!r}: the valid indices are 0..{count - 1}") from None
+            shown = index if len(index) <= 40 else index[:40] + "..."  # the message stays one short line
+            raise ReplicaNotFoundError(f"no replica {shown!r}: the valid indices are 0..{count - 1}") from None
 
     @router.get("/replicas")
     async def replicas() -> JSONResponse:
