@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from tests.serving.api_fuzzer import Call, FuzzBounds, FuzzRun, GreedyBystander, call_strategy, known_issue
+from tests.serving.api_fuzzer import (Call, FuzzBounds, FuzzRun, GreedyBystander, call_strategy, known_issue,
+                                      warm_up)
 from tests.serving.conftest import LiveServer
 from tests.serving.hostile_util import engine_quiet, keyed_server
 from tokenloop.config import ServerLimits
@@ -44,6 +45,7 @@ class Fuzzing:
 @pytest.fixture(scope="module")
 def fuzzing(tiny_checkpoint: Checkpoint) -> Iterator[Fuzzing]:
     with keyed_server(tiny_checkpoint, app_options={"limits": SERVER_LIMITS}, **SERVER_OPTIONS) as live:
+        warm_up(live)
         bystander = GreedyBystander(live.url, timeout_s=BOUNDS.answer_s)
         assert not bystander.reference.startswith("<"), bystander.reference
         bystander.start()
@@ -71,5 +73,6 @@ def test_the_bystander_read_its_text_and_the_server_ends_quiet(fuzzing: Fuzzing)
     assert run.cases >= 100 and run.deaths == 0, (run.cases, run.deaths)
     assert len(run.statuses) >= 3, run.statuses  # 200s and several kinds of 4xx: the cases reach the routes
     assert bystander.compared > 0
-    assert not bystander.mismatches, f"the bystander read {bystander.mismatches[:3]}, not {bystander.reference!r}"
+    assert not bystander.mismatches, (
+        f"the bystander read {bystander.mismatches[:3]}, not {bystander.reference!r}")
     engine_quiet(fuzzing.live)

@@ -17,7 +17,8 @@ _REF = "#/components/schemas/{model}"
 
 
 def declare_request_bodies(app: FastAPI, bodies: dict[str, tuple[type[BaseModel], ...]]) -> None:
-    """Make `app.openapi()` give each POST route in `bodies` a JSON request body: its model, or any of them."""
+    """Make `app.openapi()` give each POST route in `bodies` a JSON request body: its model, or any of
+    them (anyOf)."""
     build: Callable[[], dict[str, Any]] = app.openapi
     declared = False
 
