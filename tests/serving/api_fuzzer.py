@@ -254,11 +254,12 @@ def call_strategy(url: str, bounds: FuzzBounds) -> st.SearchStrategy[Call]:
         names = fields[(call.method, call.template)]
         if names:
             places += ["inside", "whole"]
+            places += ["field", "field", "field"]
             if call.body is ABSENT:
                 call.body = {}
-            if isinstance(call.body, dict):
-                places += ["field", "field", "field"]
         for _ in range(draw(st.integers(0, 3))):
+            if not isinstance(call.body, dict):  # a field needs an object (the body may be one no more)
+                places = [p for p in places if p != "field"]
             place, value = draw(st.sampled_from(places)), draw(values)
             if place == "field":
                 name = draw(st.sampled_from(sorted(set(names) | set(call.body))))

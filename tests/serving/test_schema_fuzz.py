@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tests.serving.api_fuzzer import (Call, FuzzBounds, FuzzRun, GreedyBystander, body_fields, call_strategy,
                                       known_issue, warm_up)
 from tests.serving.conftest import LiveServer
-from tests.serving.hostile_util import engine_quiet, keyed_server
+from tests.serving.hostile_util import AUTH, assert_error, engine_quiet, keyed_server
 from tokenloop.config import ServerLimits
 from tokenloop.model.loader import Checkpoint
 
@@ -87,3 +87,17 @@ def test_the_schema_declares_the_json_bodies(fuzzing: Fuzzing) -> None:
                 "/tokenize": {"prompt", "messages"}, "/detokenize": {"tokens"}}
     for path, fields in expected.items():
         assert fields <= set(body_fields(schema, path, "POST")), path
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("POST", "/v1/completions", {"model": "W9i\nx\ry\x9c", "prompt": "x"}),  # a model name over lines
+    ("POST", "/v1/completions", {"model": "m" * 5_000, "prompt": "x"}),
+    ("GET", "/dashboard/" + "n" * 3_000, None),  # the client's text quoted in full, once
+    ("GET", "/v1/trace/" + "r" * 3_000, None),
+    ("POST", "/admin/replicas/" + "9" * 3_000 + "/drain", None),
+])
+def test_what_the_fuzzer_found_stays_found(fuzzing: Fuzzing, method: str, path: str, body: object) -> None:
+    """Error messages that quoted a client's text whole (thousands of chars, or its newlines): one short line."""
+    r = fuzzing.live.client.request(method, path, json=body, headers=AUTH)
+    assert 400 <= r.status_code < 500
+    assert_error(r, r.status_code, names_field=False, type_=r.json()["error"]["type"])

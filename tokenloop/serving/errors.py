@@ -96,9 +96,10 @@ _UNION_MEMBER_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def clipped(text: str, limit: int = 40) -> str:
-    """A client's text as an error message quotes it: at most `limit` characters, so the message stays one
-    short line whatever the client sent."""
-    return text if len(text) <= limit else text[:limit] + "..."
+    """A client's text as an error message quotes it: at most `limit` characters, each unprintable one (a
+    newline, a control character, a lone surrogate) as `?`, so the message stays one short line."""
+    shown = "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
+    return shown if len(text) <= limit else shown + "..."
 
 
 def json_type_name(value: Any) -> str:
