@@ -95,6 +95,7 @@ def test_the_schema_declares_the_json_bodies(fuzzing: Fuzzing) -> None:
     ("GET", "/dashboard/" + "n" * 3_000, None),  # the client's text quoted in full, once
     ("GET", "/v1/trace/" + "r" * 3_000, None),
     ("POST", "/admin/replicas/" + "9" * 3_000 + "/drain", None),
+    ("POST", "/detokenize", {"model": "tiny", "tokens": [-(10**400)]}),  # a 401-digit token id, quoted whole
 ])
 def test_what_the_fuzzer_found_stays_found(fuzzing: Fuzzing, method: str, path: str, body: object) -> None:
     """Error messages that quoted a client's text whole (thousands of chars, or its newlines): one short line."""
