@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.conftest import write_tiny_llama  # noqa: E402
-from tests.serving.api_fuzzer import FuzzBounds, FuzzRun, GreedyBystander, call_strategy, warm_up  # noqa: E402
+from tests.serving.api_fuzzer import (FuzzBounds, FuzzRun, GreedyBystander, call_strategy,  # noqa: E402
+                                      warm_up)
 from tests.serving.conftest import MODEL, LiveServer  # noqa: E402
 from tests.serving.hostile_util import KEY, engine_quiet, keyed_server  # noqa: E402
 from tests.serving.test_schema_fuzz import SERVER_LIMITS, SERVER_OPTIONS  # noqa: E402

@@ -83,7 +83,8 @@ def test_the_bystander_read_its_text_and_the_server_ends_quiet(fuzzing: Fuzzing)
 def test_the_schema_declares_the_json_bodies(fuzzing: Fuzzing) -> None:
     """The JSON routes read their bodies themselves; /openapi.json still gives each its model."""
     schema = fuzzing.live.client.get("/openapi.json").json()
-    expected = {"/v1/completions": {"prompt", "max_tokens", "n"}, "/v1/chat/completions": {"messages", "tools"},
+    expected = {"/v1/completions": {"prompt", "max_tokens", "n"},
+                "/v1/chat/completions": {"messages", "tools"},
                 "/tokenize": {"prompt", "messages"}, "/detokenize": {"tokens"}}
     for path, fields in expected.items():
         assert fields <= set(body_fields(schema, path, "POST")), path
@@ -98,7 +99,8 @@ def test_the_schema_declares_the_json_bodies(fuzzing: Fuzzing) -> None:
     ("POST", "/detokenize", {"model": "tiny", "tokens": [-(10**400)]}),  # a 401-digit token id, quoted whole
 ])
 def test_what_the_fuzzer_found_stays_found(fuzzing: Fuzzing, method: str, path: str, body: object) -> None:
-    """Error messages that quoted a client's text whole (thousands of chars, or its newlines): one short line."""
+    """Error messages that quoted a client's text whole (thousands of characters, or its newlines): now one
+    short line."""
     r = fuzzing.live.client.request(method, path, json=body, headers=AUTH)
     assert 400 <= r.status_code < 500
     assert_error(r, r.status_code, names_field=False, type_=r.json()["error"]["type"])

@@ -152,10 +152,10 @@ def test_abort_and_length_and_errors(tiny: Checkpoint) -> None:
     assert not engine.has_unfinished_requests()
 
 
-def test_the_first_compile_builds_the_compiler_off_the_calling_thread(tiny: Checkpoint,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The core's loop calls compile_later; building the compiler (imports of seconds, issue 34's fuzz run
-    saw the core killed by its hang watch for it) must happen on another thread, and the spec still compiles."""
+def test_the_first_compile_builds_the_compiler_off_the_calling_thread(
+        tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core's loop calls compile_later; building the compiler (imports of seconds: issue 34's fuzz run
+    saw the core killed by its hang watch for it) must happen on another thread; the spec still compiles."""
     import threading
 
     from tokenloop.structured import compiler as compiler_module

@@ -254,7 +254,8 @@ class ServingBase:
         vocab = self.tokenizer.vocab_size
         for i, token in enumerate(req.tokens):
             if not 0 <= token < vocab:
-                raise invalid(f"token {clipped(str(token))} is not a token id in [0, {vocab})", f"tokens[{i}]")
+                raise invalid(f"token {clipped(str(token))} is not a token id in [0, {vocab})",
+                              f"tokens[{i}]")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     def models(self) -> ModelList:

@@ -72,9 +72,9 @@ def make_trace_router(get_tracer: Callable[[], Tracer | None]) -> APIRouter:
             return tracer
         resolved = tracer.resolve(request_id)
         if resolved is None:
-            return _error(404, f"no trace for request {clipped(request_id)!r}: unknown, not sampled, or evicted "
-                          f"from the tracer's buffer of {tracer.max_requests} recent requests", "trace_not_found",
-                          "request_id")
+            return _error(404, f"no trace for request {clipped(request_id)!r}: unknown, not sampled, or "
+                          f"evicted from the tracer's buffer of {tracer.max_requests} recent requests",
+                          "trace_not_found", "request_id")
         try:
             body: dict[str, Any] = (tracer.chrome_trace(resolved) if format == "chrome"
                                     else tracer.mechanism(resolved))
