@@ -150,3 +150,31 @@ def test_abort_and_length_and_errors(tiny: Checkpoint) -> None:
     with pytest.raises(InvalidRequestError):
         SO(regex="a", choice=("b",))
     assert not engine.has_unfinished_requests()
+
+
+def test_the_first_compile_builds_the_compiler_off_the_calling_thread(
+        tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core's loop calls compile_later; building the compiler (imports of seconds: issue 34's fuzz run
+    saw the core killed by its hang watch for it) must happen on another thread; the spec still compiles."""
+    import threading
+
+    from tokenloop.structured import compiler as compiler_module
+    from tokenloop.structured.engine_hooks import StructuredOutputs
+
+    built_on: list[threading.Thread] = []
+    real_init = compiler_module.GrammarCompiler.__init__
+
+    def recording_init(self: compiler_module.GrammarCompiler, *args: object, **kwargs: object) -> None:
+        built_on.append(threading.current_thread())
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(compiler_module.GrammarCompiler, "__init__", recording_init)
+    hooks = StructuredOutputs(tiny.tokenizer, tiny.config.vocab_size)
+    try:
+        first = hooks.compile_later([None, SO(regex="[a-z]{1,3}")])
+        assert len(first) == 1 and first[0].result(timeout=60).key
+        assert built_on and built_on[0] is not threading.current_thread()
+        later = hooks.compile_later([SO(choice=("yes", "no"))])  # the compiler exists: its own pool
+        assert later[0].result(timeout=60).key and len(built_on) == 1
+    finally:
+        hooks.close()

@@ -17,6 +17,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from tokenloop.errors import ReplicaNotFoundError
+from tokenloop.serving.errors import clipped
 
 
 def make_admin_router(get_engine: Callable[[], Any]) -> APIRouter:
@@ -35,7 +36,8 @@ def make_admin_router(get_engine: Callable[[], Any]) -> APIRouter:
         except ValueError:
             engine = get_engine()
             count = len(getattr(engine.client, "replicas", []))
-            raise ReplicaNotFoundError(f"no replica {index!r}: the valid indices are 0..{count - 1}") from None
+            raise ReplicaNotFoundError(f"no replica {clipped(index)!r}: the valid indices are "
+                                       f"0..{count - 1}") from None
 
     @router.get("/replicas")
     async def replicas() -> JSONResponse:

@@ -37,8 +37,9 @@ from tokenloop.serving.completions import CompletionsServing
 from tokenloop.serving.errors import APIError, api_error, internal_error, new_incident_id, validation_error
 from tokenloop.serving.limits import EdgeGuard
 from tokenloop.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                        VersionResponse)
+                                        TokenizeChatRequest, TokenizeCompletionRequest, VersionResponse)
 from tokenloop.serving.admin_routes import make_admin_router
+from tokenloop.serving.openapi import declare_request_bodies
 from tokenloop.serving.trace_routes import make_trace_router
 from tokenloop.serving.validation import parse_json_object, validate_body
 
@@ -217,4 +218,8 @@ def create_app(
             return Response(b"", media_type=CONTENT_TYPE)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    declare_request_bodies(app, {"/v1/completions": (CompletionRequest,),
+                                 "/v1/chat/completions": (ChatCompletionRequest,),
+                                 "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
+                                 "/detokenize": (DetokenizeRequest,)})
     return app

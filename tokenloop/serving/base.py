@@ -26,7 +26,7 @@ from tokenloop.errors import EngineStoppedError, InvalidRequestError, RequestFai
 from tokenloop.logprobs import TokenLogprobs
 from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.serving.async_engine import AsyncEngine, RequestSpec, RequestStream
-from tokenloop.serving.errors import APIError, invalid
+from tokenloop.serving.errors import APIError, clipped, invalid
 from tokenloop.serving.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                         PromptTokensDetails, TokenizeChatRequest, TokenizeCompletionRequest,
                                         TokenizeResponse, UsageInfo, now_s)
@@ -174,8 +174,8 @@ class ServingBase:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_aliases:
             # 400, as the issue asks for every bad field (OpenAI itself answers 404 here).
-            shown = model if len(model) <= 100 else model[:100] + "..."
-            message = f"The model `{shown}` does not exist. This server serves `{self.model_name}`."
+            message = (f"The model `{clipped(model, 100)}` does not exist. "
+                       f"This server serves `{self.model_name}`.")
             raise APIError(400, message, "invalid_request_error", "model", "model_not_found")
 
     def token_str(self, token_id: int) -> str:
@@ -265,7 +265,8 @@ class ServingBase:
         vocab = self.tokenizer.vocab_size
         for i, token in enumerate(req.tokens):
             if not 0 <= token < vocab:
-                raise invalid(f"token {token} is not a token id in [0, {vocab})", f"tokens[{i}]")
+                raise invalid(f"token {clipped(str(token))} is not a token id in [0, {vocab})",
+                              f"tokens[{i}]")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     def models(self) -> ModelList:

@@ -95,6 +95,13 @@ _JSON_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool:
 _UNION_MEMBER_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+def clipped(text: str, limit: int = 40) -> str:
+    """A client's text as an error message quotes it: at most `limit` characters, each unprintable one (a
+    newline, a control character, a lone surrogate) as `?`, so the message stays one short line."""
+    shown = "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
+    return shown if len(text) <= limit else shown + "..."
+
+
 def json_type_name(value: Any) -> str:
     for kind, name in _JSON_TYPE_NAMES.items():
         if type(value) is kind:

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from tokenloop.observe.tracer import Tracer
+from tokenloop.serving.errors import clipped
 
 TraceFormat = Literal["chrome", "mechanism"]
 
@@ -71,14 +72,15 @@ def make_trace_router(get_tracer: Callable[[], Tracer | None]) -> APIRouter:
             return tracer
         resolved = tracer.resolve(request_id)
         if resolved is None:
-            return _error(404, f"no trace for request {request_id!r}: unknown, not sampled, or evicted from the "
-                          f"tracer's buffer of {tracer.max_requests} recent requests", "trace_not_found",
-                          "request_id")
+            return _error(404, f"no trace for request {clipped(request_id)!r}: unknown, not sampled, or "
+                          f"evicted from the tracer's buffer of {tracer.max_requests} recent requests",
+                          "trace_not_found", "request_id")
         try:
             body: dict[str, Any] = (tracer.chrome_trace(resolved) if format == "chrome"
                                     else tracer.mechanism(resolved))
         except KeyError:  # evicted between resolve and export
-            return _error(404, f"no trace for request {request_id!r}", "trace_not_found", "request_id")
+            return _error(404, f"no trace for request {clipped(request_id)!r}", "trace_not_found",
+                          "request_id")
         return JSONResponse(body)
 
     # The export of everything recent costs ~0.2-1 s of Python (GIL time the engine thread then waits for):
@@ -116,7 +118,7 @@ def make_trace_router(get_tracer: Callable[[], Tracer | None]) -> APIRouter:
     def dashboard_asset(name: str) -> Response:
         media_type = _STATIC.get(name)
         if media_type is None:  # a fixed list: nothing else of the package is reachable
-            return _error(404, f"no dashboard file {name!r}", "not_found")
+            return _error(404, f"no dashboard file {clipped(name)!r}", "not_found")
         return Response(_static(name), media_type=media_type, headers={"Cache-Control": "no-store"})
 
     return router

@@ -1,14 +1,16 @@
 """The engine's side of structured outputs: compile a request's spec on arrival, advance its matcher.
 
-The grammar engine is imported and its tokenizer built (~0.2 s) only when the first constrained
-request arrives: unconstrained serving neither loads llguidance nor does any per-step work for it.
+The grammar engine is imported and its tokenizer built only when the first constrained request arrives:
+unconstrained serving neither loads llguidance nor does any per-step work for it. That first build imports
+llguidance's torch glue (torch._dynamo: 3-8 s on a loaded 2-core machine), so the core's loop never waits
+for it: `compile_later` builds it on a thread of its own.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from tokenloop.errors import InvalidRequestError, TokenloopError
@@ -37,7 +39,9 @@ class StructuredOutputs:
         self._vocab_size = vocab_size
         self._cache_size = cache_size
         self._compiler: GrammarCompiler | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held while the compiler is built: seconds, the first time
+        self._first_builds: ThreadPoolExecutor | None = None  # compiles until the compiler exists
+        self._first_builds_lock = threading.Lock()
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -58,12 +62,23 @@ class StructuredOutputs:
         thread; empty when every spec is None or cached (the common case costs no thread hop)."""
         if all(spec is None for spec in specs):
             return []
-        compiler = self.compiler
+        compiler = self._compiler  # not the property: it would wait on the lock of a build in progress
+        if compiler is None:
+            # No compiler yet: building it here would stall the core's loop past its hang bound (5 s),
+            # and the front end would kill the core. One thread builds it, then compiles these specs.
+            with self._first_builds_lock:
+                if self._first_builds is None:
+                    self._first_builds = ThreadPoolExecutor(1, thread_name_prefix="grammar-first-build")
+                pool = self._first_builds
+            return [pool.submit(self.compile, spec) for spec in specs if spec is not None]
         return [compiler.compile_later(spec) for spec in specs
                 if spec is not None and not compiler.has(spec)]
 
     def close(self) -> None:
-        """Stop the compile thread, if one was started."""
+        """Stop the compile threads, if any were started."""
+        with self._first_builds_lock:
+            if self._first_builds is not None:
+                self._first_builds.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             compiler = self._compiler
         if compiler is not None:
