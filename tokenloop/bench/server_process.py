@@ -49,6 +49,14 @@ def stop_server(proc: subprocess.Popen) -> None:
 def served(serve_args: Sequence[str], log: Path, *, name: str = "server",
            health_timeout_s: float = HEALTH_TIMEOUT_S) -> Iterator[str]:
     """`tokenloop serve SERVE_ARGS` on 127.0.0.1 and a free port; yields its base URL once healthy."""
+    with served_process(serve_args, log, name=name, health_timeout_s=health_timeout_s) as (base_url, _):
+        yield base_url
+
+
+@contextlib.contextmanager
+def served_process(serve_args: Sequence[str], log: Path, *, name: str = "server",
+                   health_timeout_s: float = HEALTH_TIMEOUT_S) -> Iterator[tuple[str, subprocess.Popen]]:
+    """As `served`, also yielding the server's process (to find its engine cores among its descendants)."""
     port = free_port()
     cmd = [sys.executable, "-m", "tokenloop", "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
     with open(log, "wb") as out:
@@ -65,7 +73,7 @@ def served(serve_args: Sequence[str], log: Path, *, name: str = "server",
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} not healthy after {health_timeout_s:.0f} s:\n{tail(log)}")
             time.sleep(0.5)
-        yield base_url
+        yield base_url, proc
         if proc.poll() is not None:
             raise RuntimeError(f"{name} died during the run ({proc.returncode}):\n{tail(log)}")
     finally:
