@@ -24,6 +24,13 @@ from tokenloop.structured.spec import StructuredOutputsParams as SO
 BOUND_S = 2.0
 
 
+def _two_replicas(tiny: Checkpoint) -> AsyncEngine:
+    """Two local replicas, round-robin, failover by recompute, no restart, the heartbeat bound BOUND_S."""
+    return AsyncEngine.with_replicas(build_engine_config(str(tiny.path), **OPTIONS), ClusterOptions(
+        replicas=2, cluster="local", router="round-robin", failover="recompute", restart=False,
+        hang_timeout_s=BOUND_S), checkpoint=tiny)
+
+
 def _constrained_reference(tiny: Checkpoint, prompt: str, params: SamplingParams) -> list[int]:
     engine = LLMEngine(build_engine_config(str(tiny.path), **OPTIONS), checkpoint=tiny)
     engine.add_request("ref", prompt, params)
@@ -36,12 +43,10 @@ def _constrained_reference(tiny: Checkpoint, prompt: str, params: SamplingParams
 
 
 @pytest.mark.parametrize("constrained", [False, True])
-def test_a_stopped_replica_is_killed_and_its_requests_resume_elsewhere(tiny: Checkpoint, constrained: bool) -> None:
+def test_a_stopped_replica_is_killed_and_its_requests_resume_elsewhere(tiny: Checkpoint,
+                                                                       constrained: bool) -> None:
     # Constrained: the resumed request's grammar goes on from its output so far (not from the start).
-    config = build_engine_config(str(tiny.path), **OPTIONS)
-    engine = AsyncEngine.with_replicas(config, ClusterOptions(
-        replicas=2, cluster="local", router="round-robin", failover="recompute", restart=False,
-        hang_timeout_s=BOUND_S), checkpoint=tiny)
+    engine = _two_replicas(tiny)
     max_tokens = 30
     prompts = [TINY_PROMPTS[0], TINY_PROMPTS[2]]
     params = _greedy(max_tokens)
@@ -74,12 +79,9 @@ def test_a_stopped_replica_is_killed_and_its_requests_resume_elsewhere(tiny: Che
         engine.close()
 
 
-def test_a_request_routed_to_a_replica_that_hangs_before_accepting_it_runs_elsewhere(tiny: Checkpoint) -> None:
-    # The stopped replica never answers the submission; with failover recompute it is routed again, not refused.
-    config = build_engine_config(str(tiny.path), **OPTIONS)
-    engine = AsyncEngine.with_replicas(config, ClusterOptions(
-        replicas=2, cluster="local", router="round-robin", failover="recompute", restart=False,
-        hang_timeout_s=BOUND_S), checkpoint=tiny)
+def test_a_request_sent_to_a_replica_that_hangs_before_accepting_it_runs_elsewhere(tiny: Checkpoint) -> None:
+    # The stopped replica never answers the submission: with failover recompute it is routed again.
+    engine = _two_replicas(tiny)
     max_tokens = 8
     prompts = [TINY_PROMPTS[0], TINY_PROMPTS[2]]
     expected = _reference(tiny, prompts, max_tokens)

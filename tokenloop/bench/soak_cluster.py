@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -92,16 +93,18 @@ class ClusterSoakReport(SoakReport):
         lines = [super().summary().rsplit("\n  result:", 1)[0]]
         if self.long_latencies_s:
             ordered = sorted(self.long_latencies_s)
-            lines.append(f"  long prompts completed: {len(ordered)}, latency p50 {ordered[len(ordered) // 2]:.2f} s,"
-                         f" max {ordered[-1]:.2f} s")
+            lines.append(f"  long prompts completed: {len(ordered)}, latency p50 "
+                         f"{ordered[len(ordered) // 2]:.2f} s, max {ordered[-1]:.2f} s")
         rejected = {k: v for k, v in self.outcomes.items() if k.startswith("rejected_")}
         lines.append("  kinds: " + ", ".join(f"{k}={v}" for k, v in sorted(self.kinds.items())))
-        lines.append(f"  requests sent: {self.requests_sent}; rejected by status: {rejected or 'none'}; failed by "
+        lines.append(f"  requests sent: {self.requests_sent}; rejected by status: {rejected or 'none'}; "
+                     f"failed by "
                      f"their own fault (hostile): {self.outcomes['failed_by_own_fault']}")
         during = sum(c.during_fault for c in self.collateral)
         lines.append(f"  collateral failures: {len(self.collateral)} ({during} overlapping a fault window)")
         lines.extend(f"    {c.kind} at +{c.began:.1f}..{c.ended:.1f} s"
-                     f"{' (during a fault)' if c.during_fault else ''}: {c.what}" for c in self.collateral[:20])
+                     f"{' (during a fault)' if c.during_fault else ''}: {c.what}"
+                     for c in self.collateral[:20])
         lines.extend(f"  fault: {f.describe()}" for f in self.faults)
         lines.append("  result: " + ("PASS" if self.ok else "FAIL"))
         lines.extend(f"  violation: {v}" for v in self.violations)
@@ -168,7 +171,8 @@ async def _run_item(client: httpx.AsyncClient, item: _Item, report: ClusterSoakR
         return
     if sub.violations:
         during = any(a <= ended and began <= b for a, b in (f.window for f in report.faults))
-        report.collateral.append(Collateral(item.kind, began - start, ended - start, sub.violations[0], during))
+        report.collateral.append(Collateral(item.kind, began - start, ended - start, sub.violations[0],
+                                            during))
         return
     (report.long_latencies_s if item.kind == "long" else report.latencies_s).extend(sub.latencies_s)
 
@@ -177,7 +181,8 @@ async def _drive(config: ClusterSoakConfig, url: str, server_pid: int, report: C
     rng = random.Random(config.seed)
     start = time.monotonic()
     transport = httpx.AsyncHTTPTransport(retries=0)
-    limits = httpx.Limits(max_connections=config.concurrency + 8, max_keepalive_connections=config.concurrency)
+    limits = httpx.Limits(max_connections=config.concurrency + 8,
+                          max_keepalive_connections=config.concurrency)
     ended = 0
     faults_done = asyncio.Event()
     async with httpx.AsyncClient(base_url=url, timeout=config.request_timeout_s, transport=transport,
@@ -196,7 +201,8 @@ async def _drive(config: ClusterSoakConfig, url: str, server_pid: int, report: C
 
         async def faults() -> None:
             try:
-                plan = (("hang", 0, config.hang_at), ("kill", 1, config.kill_at)) if config.inject_faults else ()
+                plan = ((("hang", 0, config.hang_at), ("kill", 1, config.kill_at)) if config.inject_faults
+                        else ())
                 for kind, replica, share in plan:
                     while ended < share * config.num_requests:
                         await asyncio.sleep(POLL_S)
@@ -229,7 +235,8 @@ async def _probe_each_replica(url: str, report: ClusterSoakReport) -> None:
                 r = await client.post("/v1/completions", json={"prompt": f"Probe {index}:", "max_tokens": 2})
                 report.engine[f"probe_replica_{index}"] = r.status_code
                 if r.status_code != 200:
-                    report.violations.append(f"replica {index} alone answered HTTP {r.status_code}: {r.text[:200]}")
+                    report.violations.append(f"replica {index} alone answered HTTP {r.status_code}: "
+                                             f"{r.text[:200]}")
             finally:
                 for other in others:
                     (await client.post(f"/admin/replicas/{other}/undrain")).raise_for_status()
@@ -244,18 +251,21 @@ def _check_settled(url: str, config: ClusterSoakConfig, report: ClusterSoakRepor
                 for k, v in replica_metric(text, name).items() if v}
         usage = replica_metric(text, "tokenloop:kv_cache_usage_perc")
         rows = asyncio.run(_rows(url))
-        if (not busy and not any(usage.values()) and all(r["alive"] for r in rows)) or time.monotonic() > deadline:
+        settled = not busy and not any(usage.values()) and all(r["alive"] for r in rows)
+        if settled or time.monotonic() > deadline:
             break
         time.sleep(POLL_S)
-    report.engine = {"kv_cache_usage_perc": dict(sorted(usage.items())),
-                     "generated_tokens": sum(replica_metric(text, "tokenloop:generation_tokens_total").values()),
-                     "preemptions": sum(replica_metric(text, "tokenloop:num_preemptions_total").values()),
-                     "replicas": [{k: r[k] for k in ("index", "alive", "restarts", "death")} for r in rows]}
+    report.engine.update({
+        "kv_cache_usage_perc": dict(sorted(usage.items())),
+        "generated_tokens": sum(replica_metric(text, "tokenloop:generation_tokens_total").values()),
+        "preemptions": sum(replica_metric(text, "tokenloop:num_preemptions_total").values()),
+        "replicas": [{k: r[k] for k in ("index", "alive", "restarts", "death")} for r in rows]})
     if busy:
         report.violations.append(f"requests still running or waiting after the run, by replica: {busy}")
     for replica, value in usage.items():
         if value:
-            report.violations.append(f"replica {replica}: KV blocks still referenced after the run (usage {value})")
+            report.violations.append(f"replica {replica}: KV blocks still referenced after the run "
+                                     f"(usage {value})")
     for row in rows:
         if not row["alive"]:
             report.violations.append(f"replica {row['index']} is not alive after the run: {row['death']}")
@@ -271,14 +281,16 @@ def _judge(config: ClusterSoakConfig, report: ClusterSoakReport) -> None:
         report.violations.append(f"{len(report.collateral)} well-behaved request(s) failed (collateral)")
     for fault in report.faults:
         if fault.alive_after_s is None:
-            report.violations.append(f"the replica was not alive again within {config.recovery_timeout_s:.0f} s: "
+            report.violations.append(f"the replica was not alive again within "
+                                     f"{config.recovery_timeout_s:.0f} s: "
                                      f"{fault.describe()}")
-    if config.inject_faults and len(report.faults) < 2 and not any(v.startswith("fault injection") for v in report.violations):
+    failed_to_inject = any(v.startswith("fault injection") for v in report.violations)
+    if config.inject_faults and len(report.faults) < 2 and not failed_to_inject:
         report.violations.append(f"only {len(report.faults)} of 2 faults were injected")
 
 
 def run_cluster_soak(config: ClusterSoakConfig) -> ClusterSoakReport:
-    """Start the server, run the mixed traffic and the faults, check the aftermath; `report.ok` is the verdict."""
+    """Start the server, run the mixed traffic and the faults, check the aftermath; `report.ok` says."""
     report = ClusterSoakReport()
     log = config.log or Path(tempfile.mkstemp(prefix="tokenloop-soak-cluster-", suffix=".log")[1])
     args = ["--model", config.model, "--replicas", "2", "--failover", "recompute",
@@ -304,13 +316,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("disconnect_fraction", "hostile_fraction", "structured_fraction", "long_fraction",
                  "hang_timeout", "hang_at", "kill_at", "recovery_timeout", "idle_timeout"):
         attr = name + "_s" if name.endswith("timeout") else name
-        parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, attr), dest=attr)
+        parser.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, attr),
+                            dest=attr)
     parser.add_argument("--no-faults", action="store_false", dest="inject_faults",
                         help="mixed traffic only: no hang, no kill")
     parser.add_argument("--log", type=Path, help="the server's log (default: a new file in the temp dir)")
     parser.add_argument("--serve-arg", action="append", default=[], dest="serve_args",
-                        help="one more `tokenloop serve` argument (repeat; e.g. --serve-arg=--num-kv-blocks=512)")
+                        help="one more `tokenloop serve` argument (repeat; e.g. "
+                             "--serve-arg=--num-kv-blocks=512)")
     config = ClusterSoakConfig(**vars(parser.parse_args(argv)))
+    # SIGTERM (`timeout`, a CI runner) unwinds like Ctrl-C, so the server this soak started is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     report = run_cluster_soak(config)
     print(report.summary())
     return 0 if report.ok else 1

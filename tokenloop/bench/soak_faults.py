@@ -46,10 +46,12 @@ class FaultRecord:
     def describe(self) -> str:
         def s(value: float | None) -> str:
             return "never" if value is None else f"{value:.2f} s"
-        return (f"{self.kind} of replica {self.replica} (pid {self.pid}, {self.requests_on_replica} request(s) "
+        return (f"{self.kind} of replica {self.replica} (pid {self.pid}, "
+                f"{self.requests_on_replica} request(s) "
                 f"there): declared dead after {s(self.dead_after_s)} ({self.death}), alive again after "
                 f"{s(self.alive_after_s)}, first token on it after {s(self.first_token_after_s)}"
-                + (" (the router sent it nothing before the run ended)" if self.first_token_after_s is None and self.alive_after_s is not None else ""))
+                + (" (the router sent it nothing before the run ended)"
+                   if self.first_token_after_s is None and self.alive_after_s is not None else ""))
 
 
 def replica_metric(text: str, name: str) -> dict[int, float]:
@@ -88,8 +90,8 @@ async def _generated(client: httpx.AsyncClient, replica: int) -> float:
     return replica_metric(r.text, "tokenloop:generation_tokens_total").get(replica, 0.0)
 
 
-async def inject(client: httpx.AsyncClient, kind: str, replica: int, server_pid: int, recovery_timeout_s: float,
-                 faults: list[FaultRecord]) -> FaultRecord:
+async def inject(client: httpx.AsyncClient, kind: str, replica: int, server_pid: int,
+                 recovery_timeout_s: float, faults: list[FaultRecord]) -> FaultRecord:
     """Signal replica `replica`'s core once it holds requests (the record joins `faults` then); return once
     the replica is alive again, or after `recovery_timeout_s`."""
     while True:  # land on work in flight
@@ -115,7 +117,7 @@ async def inject(client: httpx.AsyncClient, kind: str, replica: int, server_pid:
                 break
             await asyncio.sleep(POLL_S)
     finally:
-        if kind == "hang":  # the server should have killed it; if not, let it go on rather than leave it stopped
+        if kind == "hang":  # the server should have killed it; if not, let it go on, never leave it stopped
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
     return record

@@ -56,10 +56,12 @@ class HostileConstraint:
 
 
 HOSTILE_CONSTRAINTS: list[HostileConstraint] = [
-    HostileConstraint("regex a{1000000}", False, _completion({"regex": "a{1000000}"}), "structured_outputs.regex"),
+    HostileConstraint("regex a{1000000}", False, _completion({"regex": "a{1000000}"}),
+                      "structured_outputs.regex"),
     HostileConstraint("regex (a{1000}){1000}", False, _completion({"regex": "(a{1000}){1000}"}),
                       "structured_outputs.regex"),
-    HostileConstraint("GBNF of 10,000 chained rules", False, _completion({"grammar": _chained_grammar(10_000)}),
+    HostileConstraint("GBNF of 10,000 chained rules", False,
+                      _completion({"grammar": _chained_grammar(10_000)}),
                       "structured_outputs.grammar"),
     HostileConstraint("GBNF with an undefined rule", False, _completion({"grammar": "root ::= nowhere"}),
                       "structured_outputs.grammar"),
@@ -107,19 +109,22 @@ STRUCTURED_REQUESTS: list[StructuredRequest] = [
                       {"messages": [{"role": "user", "content": "Give a person as JSON."}], "max_tokens": 96,
                        **_json_schema_format(PERSON_SCHEMA)}, _valid_person),
     StructuredRequest("json schema (structured_outputs)", False,
-                      {"prompt": "A person as JSON:", "max_tokens": 96, "structured_outputs": {"json": PERSON_SCHEMA}},
+                      {"prompt": "A person as JSON:", "max_tokens": 96,
+                       "structured_outputs": {"json": PERSON_SCHEMA}},
                       _valid_person),
     StructuredRequest("regex", False, {"prompt": "An email address:", "max_tokens": 48,
                                        "structured_outputs": {"regex": EMAIL_REGEX}},
                       lambda text: re.fullmatch(EMAIL_REGEX, text) is not None),
-    StructuredRequest("choice", True, {"messages": [{"role": "user", "content": "Pick a colour."}], "max_tokens": 16,
-                                       "structured_outputs": {"choice": COLOURS}}, lambda text: text in COLOURS),
+    StructuredRequest("choice", True, {"messages": [{"role": "user", "content": "Pick a colour."}],
+                                       "max_tokens": 16, "structured_outputs": {"choice": COLOURS}},
+                      lambda text: text in COLOURS),
 ]
 
 
 def long_prompt(rng: random.Random, index: int, words: int) -> str:
     """About `words` words (~1.3 tokens each) that share no prefix with another long prompt."""
-    sentences = [f"Note {index}.{i}: {rng.choice(TOPICS)} matters in its own way." for i in range(words // 8 + 1)]
+    sentences = [f"Note {index}.{i}: {rng.choice(TOPICS)} matters in its own way."
+                 for i in range(words // 8 + 1)]
     return " ".join(sentences) + "\nSummarise the notes above in one sentence:"
 
 
@@ -128,7 +133,8 @@ def _text(body: dict[str, Any], chat: bool) -> tuple[str, str]:
     return (choice["message"]["content"] if chat else choice["text"]), choice["finish_reason"]
 
 
-async def run_hostile_constraint(client: httpx.AsyncClient, case: HostileConstraint, report: SoakReport) -> None:
+async def run_hostile_constraint(client: httpx.AsyncClient, case: HostileConstraint,
+                                 report: SoakReport) -> None:
     """Send it; a 4xx naming its field is a rejection, anything else a violation."""
     path = "/v1/chat/completions" if case.chat else "/v1/completions"
     r = await client.post(path, json=case.body)
@@ -144,7 +150,8 @@ async def run_hostile_constraint(client: httpx.AsyncClient, case: HostileConstra
         report.outcomes["failed_by_own_fault"] += 1
         return
     report.outcomes[f"hostile_http_{r.status_code}"] += 1
-    report.violations.append(f"hostile constraint {case.name!r}: HTTP {r.status_code}, param {param!r} (wanted "
+    report.violations.append(f"hostile constraint {case.name!r}: HTTP {r.status_code}, param {param!r} "
+                             f"(wanted "
                              f"a 4xx naming {case.field}): {r.text[:200]}")
 
 
@@ -164,7 +171,8 @@ async def run_structured(client: httpx.AsyncClient, case: StructuredRequest, rep
     report.finish_reasons[reason] += 1
     if reason != "stop" or not case.valid(text):
         report.outcomes["structured_invalid"] += 1
-        report.violations.append(f"structured {case.name!r}: finish {reason!r}, output not valid: {text[:200]!r}")
+        report.violations.append(f"structured {case.name!r}: finish {reason!r}, output not valid: "
+                                 f"{text[:200]!r}")
         return
     report.outcomes["completed"] += 1
     report.outcomes["structured_valid"] += 1
