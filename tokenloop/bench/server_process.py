@@ -56,7 +56,7 @@ def served(serve_args: Sequence[str], log: Path, *, name: str = "server",
 @contextlib.contextmanager
 def served_process(serve_args: Sequence[str], log: Path, *, name: str = "server",
                    health_timeout_s: float = HEALTH_TIMEOUT_S) -> Iterator[tuple[str, subprocess.Popen]]:
-    """As `served`, yielding the server's process too (for its memory, say)."""
+    """As `served`, also yielding the server's process (for its memory, or to find its engine cores)."""
     port = free_port()
     cmd = [sys.executable, "-m", "tokenloop", "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
     with open(log, "wb") as out:

@@ -151,7 +151,7 @@ class ReplicaSet:
         self._restart = restart
         self.clock = default_clock
         self._owned: dict[str, OwnedRequest] = {}  # core request id -> where it runs
-        self._adds: dict[int, tuple[int, list[str]]] = {}  # front-end call id -> (replica, request ids)
+        self._adds: dict[int, tuple[int, AddRequests]] = {}  # front-end call id -> (replica, unanswered add)
         self._gathers: dict[int, _Gather] = {}  # internal call id -> broadcast in progress
         self._internal: dict[int, tuple[int, Callable[[CallResult], None]]] = {}  # id -> (replica, callback)
         self._next_internal_id = 0
@@ -336,7 +336,7 @@ class ReplicaSet:
             if request is not first:  # the dispatcher counted the first; n > 1 samples share its prompt
                 self.tracker.on_routed(index, request.request_id, len(request.prompt_token_ids),
                                        num_cached_tokens=decision.cached_tokens)
-        self._adds[message.call_id] = (index, [r.request_id for r in requests])
+        self._adds[message.call_id] = (index, message)
         out.setdefault(index, []).append(message)
 
     def _finish(self, message: FinishRequests, out: dict[int, list[InputMessage]]) -> None:
@@ -435,8 +435,8 @@ class ReplicaSet:
         added = self._adds.pop(result.call_id, None)
         if added is None or result.error is None:
             return
-        index, request_ids = added
-        for request_id in request_ids:  # refused all-or-none: none of them runs anywhere
+        index, message = added
+        for request_id in (r.request_id for r in message.requests):  # refused all-or-none: none runs anywhere
             if self._owned.pop(request_id, None) is not None:
                 self.tracker.on_finished(index, request_id)
 
@@ -483,13 +483,19 @@ class ReplicaSet:
                 gather.waiting.discard(index)
                 if not gather.waiting:
                     self._complete_gather(internal_id)
-        for call_id, (target, request_ids) in list(self._adds.items()):
-            if target == index:  # never answered: refuse it so the submitter does not wait forever
-                del self._adds[call_id]
+        rerouted: dict[int, list[InputMessage]] = {}
+        for call_id, (target, message) in list(self._adds.items()):
+            if target != index:
+                continue
+            del self._adds[call_id]
+            for request in message.requests:
+                self._owned.pop(request.request_id, None)
+            if self.failover == "recompute":  # nothing of it ran anywhere else: route it again
+                self._route(message, rerouted)
+            else:  # never answered: refuse it so the submitter does not wait forever
                 self._results.append(CallResult(call_id, None, CoreError(
                     "RequestFailedError", f"engine replica {index} died before it accepted the request")))
-                for request_id in request_ids:
-                    self._owned.pop(request_id, None)
+        self._send_all(rerouted)
         self.handoffs.on_death(index)
         for request_id in self.requests_on(index):
             owned = self._owned[request_id]
@@ -513,7 +519,8 @@ class ReplicaSet:
             return False
         resumed = dataclasses.replace(
             request, prompt_token_ids=[*request.prompt_token_ids, *owned.output_token_ids],
-            params=dataclasses.replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - done)))
+            params=dataclasses.replace(params, max_tokens=left, min_tokens=max(0, params.min_tokens - done)),
+            structured_replay=list(owned.output_token_ids) if params.structured_outputs is not None else None)
         try:
             decision = self.dispatcher.dispatch(RouteRequest(request.request_id, resumed.prompt_token_ids,
                                                              request.cache_salt, request.user))

@@ -157,6 +157,8 @@ class EngineCore:
                                   prompt=spec.prompt, priority=spec.priority, user=spec.user,
                                   cache_salt=spec.cache_salt, eos_token_id=self.eos_token_id)
                 request.structured = grammar.new_matcher() if grammar is not None else None
+                if request.structured is not None and spec.structured_replay:
+                    self.structured.replay(request, spec.structured_replay)
                 self.scheduler.add_request(request)
                 added.append(request)
         except Exception:

@@ -28,6 +28,9 @@ class CoreRequest:
     priority: int = 0
     user: str | None = None
     cache_salt: str | None = None
+    # A failover's recompute of a constrained request: the output tokens it produced elsewhere (now the
+    # prompt's tail), which its new matcher accepts first so the grammar goes on from where it was.
+    structured_replay: list[int] | None = None
 
 
 @dataclass(slots=True)

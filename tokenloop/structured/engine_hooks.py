@@ -85,6 +85,12 @@ class StructuredOutputs:
             compiler.close()
 
     @staticmethod
+    def replay(request: Request, token_ids: Sequence[int]) -> None:
+        """Advance a new matcher by output tokens produced elsewhere (a failover's recompute)."""
+        for token_id in token_ids:
+            StructuredOutputs.accept(request, token_id)
+
+    @staticmethod
     def accept(request: Request, token_id: int) -> None:
         """Advance a constrained request's matcher by its newly appended output token."""
         matcher = request.structured

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import llguidance
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -101,12 +100,15 @@ class BitmaskApplier:
             return logits
         bitmask = torch.empty(len(rows), self.words, dtype=torch.int32)
         pairs = [(matchers[row].llmatcher, k) for k, row in enumerate(rows)]  # type: ignore[union-attr]
+        # The native calls, not `llguidance.torch`: importing that runs torch.compile's setup (~5 s), on the
+        # core's loop at its first constrained request: longer than the heartbeat's bound on a busy machine.
+        row_bytes = self.words * 4
         if len(pairs) == 1:
-            llguidance.torch.fill_next_token_bitmask(pairs[0][0], bitmask, 0)
+            pairs[0][0].unsafe_compute_mask_ptr(bitmask.data_ptr(), row_bytes)
         else:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor(num_threads=self._num_threads)
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, len(pairs))
         # numpy, single-threaded: on a busy machine each parallel torch op over [B, V] waits ~8 ms for its
         # second thread, which costs more than the whole masking (bit k of word w is token 32 w + k).
         allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
