@@ -118,11 +118,11 @@ def run(policy: str, setting: str, trace: Trace) -> tuple[list[Any], Keep, Simul
         steps += 1
         if steps % 23 == 0:  # an abort between steps: the oldest unfinished request, waiting or running
             victim = min(engine.core._requests)  # any deterministic pick will do
-            produced.append(("abort", engine.core.finish_requests([victim])))
+            produced.append(("abort", as_recorded(engine.core.finish_requests([victim]))))
             if not engine.core.has_unfinished_requests():
                 continue
         outs, finished = engine.step_outputs()
-        produced.append((outs.outputs, outs.num_scheduled, outs.timestamp_ns, outs.kv_events, finished))
+        produced.append((as_recorded(outs.outputs), outs.num_scheduled, outs.timestamp_ns, outs.kv_events, finished))
         if outs.num_scheduled == 0:
             assert next_arrival < len(trace.arrival_ns), "the engine holds requests but schedules none"
             clock.advance_to(trace.arrival_ns[next_arrival])
@@ -132,6 +132,26 @@ def run(policy: str, setting: str, trace: Trace) -> tuple[list[Any], Keep, Simul
 # Record fields added after the digests were recorded, with the value they have in this trace (no speculative
 # decoding): left out of the digest, so that it still compares the decisions rather than the record's shape.
 LATER_FIELDS = {"num_draft_tokens": 0, "num_accepted_tokens": 0}
+# The same for the outputs: the field to blame for a request's own failure (issue 34), None here.
+LATER_OUTPUT_FIELDS = {"error_param": None}
+
+
+class _AsRecorded:
+    """An output whose repr is the one it had when the digests were recorded."""
+
+    def __init__(self, output: Any) -> None:
+        self.output = output
+
+    def __repr__(self) -> str:
+        output = self.output
+        values = {f.name: getattr(output, f.name) for f in dataclasses.fields(output) if f.repr}
+        for name, value in LATER_OUTPUT_FIELDS.items():
+            assert values.pop(name) == value, f"{name} is no longer {value} in the digest's trace"
+        return f"{type(output).__qualname__}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
+
+
+def as_recorded(outputs: list[Any]) -> list[_AsRecorded]:
+    return [_AsRecorded(output) for output in outputs]
 
 
 def record_repr(record: StepRecord) -> str:
