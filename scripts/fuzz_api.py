@@ -35,7 +35,7 @@ from tests.serving.hostile_util import KEY, engine_quiet, keyed_server  # noqa: 
 from tests.serving.test_schema_fuzz import SERVER_LIMITS, SERVER_OPTIONS  # noqa: E402
 from tokenloop.config import build_engine_config  # noqa: E402
 from tokenloop.model.loader import load_checkpoint  # noqa: E402
-from tokenloop.serving.api import create_app  # noqa: E402
+from tokenloop.serving.app import create_app  # noqa: E402
 from tokenloop.serving.async_engine import AsyncEngine  # noqa: E402
 from tokenloop.serving.server import ServerThread  # noqa: E402
 

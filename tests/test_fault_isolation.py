@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import TINY_PROMPTS
-from tokenloop.engine import LLMEngine, RequestOutput
+from tokenloop.engine import LLMEngine
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
+from tokenloop.outputs import RequestOutput
 from tokenloop.request import Request, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

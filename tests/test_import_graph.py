@@ -23,8 +23,7 @@ ALLOWED_CYCLE_EDGES: frozenset[tuple[str, str]] = frozenset()
 LAYERING_RULES: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
     (("tokenloop.core",),
      ("tokenloop.serving", "tokenloop.bench", "tokenloop.cli", "tokenloop.cluster", "tokenloop.sim",
-      "tokenloop.engine", "tokenloop.llm", "tokenloop.outputs", "tokenloop.tokenizer", "tokenloop.tracing",
-      "tokenloop.metrics"),
+      "tokenloop.engine", "tokenloop.llm", "tokenloop.outputs", "tokenloop.tokenizer"),
      "the engine core is token ids in, token ids out: no front end, no text, no observers' state"),
     (("tokenloop.observe",),
      ("tokenloop.engine", "tokenloop.core.engine_core", "tokenloop.llm", "tokenloop.serving",
@@ -32,7 +31,7 @@ LAYERING_RULES: list[tuple[tuple[str, ...], tuple[str, ...], str]] = [
      "observers read records; they never call the loop"),
     (("tokenloop.model",),
      ("tokenloop.core", "tokenloop.engine", "tokenloop.runner", "tokenloop.sampler", "tokenloop.serving",
-      "tokenloop.bench", "tokenloop.cli", "tokenloop.tracing", "tokenloop.observe"),
+      "tokenloop.bench", "tokenloop.cli", "tokenloop.observe"),
      "the model is a forward pass over given tensors; it knows no scheduler or server"),
     (("tokenloop.tokenizer",),
      ("tokenloop.core", "tokenloop.model", "tokenloop.engine", "tokenloop.serving", "tokenloop.bench",

@@ -12,14 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tokenloop.config import CacheConfig, EngineConfig, SchedulerConfig
-    from tokenloop.engine import CompletionOutput, LLMEngine, RequestOutput
+    from tokenloop.engine import LLMEngine
     from tokenloop.llm import LLM
+    from tokenloop.outputs import CompletionOutput, RequestOutput
     from tokenloop.request import SamplingParams
 
 # Imported when first named: `import tokenloop.cli` must not import torch (~1.6 s), so that `tokenloop
 # serve` can start its engine core process before this process imports the server's own modules.
-_EXPORTS = {"LLM": "tokenloop.llm", "LLMEngine": "tokenloop.engine", "RequestOutput": "tokenloop.engine",
-            "CompletionOutput": "tokenloop.engine", "SamplingParams": "tokenloop.request",
+_EXPORTS = {"LLM": "tokenloop.llm", "LLMEngine": "tokenloop.engine", "RequestOutput": "tokenloop.outputs",
+            "CompletionOutput": "tokenloop.outputs", "SamplingParams": "tokenloop.request",
             "EngineConfig": "tokenloop.config", "CacheConfig": "tokenloop.config",
             "SchedulerConfig": "tokenloop.config"}
 

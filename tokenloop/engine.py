@@ -23,11 +23,11 @@ from tokenloop.core.scheduler import SchedulerStats
 from tokenloop.errors import InvalidRequestError
 from tokenloop.model.loader import Checkpoint
 from tokenloop.observe.records import Observes
-from tokenloop.outputs import CompletionOutput, OutputProcessor, RequestMetrics, RequestOutput, child_seed
+from tokenloop.outputs import OutputProcessor, RequestOutput
 from tokenloop.request import Clock, SamplingParams, default_clock
 from tokenloop.tokenizer import Tokenizer
 
-__all__ = ["LLMEngine", "RequestOutput", "CompletionOutput", "RequestMetrics", "child_seed"]
+__all__ = ["LLMEngine"]
 
 
 class LLMEngine:

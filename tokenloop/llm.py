@@ -7,9 +7,10 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from tokenloop.config import build_engine_config
-from tokenloop.engine import LLMEngine, RequestOutput
+from tokenloop.engine import LLMEngine
 from tokenloop.errors import InvalidRequestError
 from tokenloop.model.loader import DEFAULT_MODEL, Checkpoint
+from tokenloop.outputs import RequestOutput
 from tokenloop.request import Clock, SamplingParams, default_clock
 
 Prompt = str | Sequence[int] | dict[str, Any]

@@ -16,7 +16,7 @@ from tokenloop.engine import LLMEngine
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
 
-serving_api = pytest.importorskip("tokenloop.serving.api")
+serving_api = pytest.importorskip("tokenloop.serving.app")
 serving_server = pytest.importorskip("tokenloop.serving.server")
 
 

@@ -16,7 +16,7 @@ from tests.tracing.conftest import PROMPTS, make_engine
 from tokenloop.core.engine_core import EngineCore
 from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.scheduler import Scheduler
-from tokenloop.engine import LLMEngine, RequestOutput
+from tokenloop.engine import LLMEngine
 from tokenloop.model.loader import Checkpoint
 from tokenloop.observe.metrics import EngineMetrics
 from tokenloop.observe.records import (
@@ -26,6 +26,7 @@ from tokenloop.observe.records import (
     StepRecord,
 )
 from tokenloop.observe.tracer import Tracer
+from tokenloop.outputs import RequestOutput
 from tokenloop.request import SamplingParams
 
 LONG = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -17,7 +17,7 @@ import pytest
 from tokenloop.engine import LLMEngine
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint, load_checkpoint
-from tokenloop.serving.api import create_app
+from tokenloop.serving.app import create_app
 from tokenloop.serving.async_engine import AsyncEngine
 from tokenloop.serving.server import ServerThread
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.serving.conftest import make_engine, slow_steps
 from tokenloop.errors import CapacityError, EngineStoppedError, InvalidRequestError, RequestFailedError
-from tokenloop.metrics import EngineMetrics
+from tokenloop.observe.metrics import EngineMetrics
 from tokenloop.model.loader import Checkpoint
 from tokenloop.request import SamplingParams
 from tokenloop.serving.async_engine import AsyncEngine, RequestSpec

@@ -263,7 +263,7 @@ _FRONT_END = textwrap.dedent("""
     args = build_parser().parse_args(["serve"])
     _cluster_options(args), build_engine_config(args.model, **_engine_options(args))
     before_fork = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "fastapi"))
-    import tokenloop.serving.api, tokenloop.serving.async_engine, tokenloop.serving.core_client
+    import tokenloop.serving.app, tokenloop.serving.async_engine, tokenloop.serving.core_client
     import tokenloop.observe.metrics, tokenloop.observe.tracer
     from tokenloop.model.loader import load_model_info
     load_model_info(sys.argv[1])

@@ -23,7 +23,7 @@ _DRIVER = textwrap.dedent("""
     import sys
     from tokenloop.engine import LLMEngine
     from tokenloop.llm import build_engine_config
-    from tokenloop.serving.api import create_app
+    from tokenloop.serving.app import create_app
     from tokenloop.serving.server import serve_forever
 
     model, port = sys.argv[1], int(sys.argv[2])

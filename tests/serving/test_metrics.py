@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from tests.serving.conftest import metric_value
-from tokenloop.engine import RequestMetrics
-from tokenloop.metrics import EngineMetrics
+from tokenloop.outputs import RequestMetrics
+from tokenloop.observe.metrics import EngineMetrics
 from tokenloop.observe.records import StepGauges, StepRecord
 
 

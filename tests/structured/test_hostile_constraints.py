@@ -250,7 +250,7 @@ def hostile_server(tiny: Checkpoint) -> Any:
 
     from tests.serving.conftest import LiveServer, make_engine
     from tokenloop.config import ServerLimits
-    from tokenloop.serving.api import create_app
+    from tokenloop.serving.app import create_app
     from tokenloop.serving.server import ServerThread
 
     engine = make_engine(tiny)

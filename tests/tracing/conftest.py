@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from tests.conftest import TINY_PROMPTS
-from tokenloop.engine import LLMEngine, RequestOutput
+from tokenloop.engine import LLMEngine
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
+from tokenloop.outputs import RequestOutput
 from tokenloop.request import SamplingParams
-from tokenloop.tracing import Tracer
+from tokenloop.observe.tracer import Tracer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = TINY_PROMPTS

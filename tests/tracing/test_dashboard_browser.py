@@ -28,7 +28,7 @@ from tokenloop.engine import LLMEngine
 from tokenloop.model.loader import Checkpoint
 from tokenloop.request import SamplingParams
 from tokenloop.serving.trace_routes import make_trace_router
-from tokenloop.tracing import Tracer
+from tokenloop.observe.tracer import Tracer
 
 from tests.tracing.conftest import make_engine
 
@@ -149,7 +149,7 @@ def test_dashboard_live_in_chromium(tiny: Checkpoint, tmp_path: Path) -> None:
 
 def test_dashboard_behind_a_key_asks_for_it(tiny: Checkpoint, tmp_path: Path) -> None:
     """With --api-key the page is served but its data is not: it shows the key form instead."""
-    from tokenloop.serving.api import create_app
+    from tokenloop.serving.app import create_app
     from tokenloop.serving.server import ServerThread
 
     engine = make_engine(tiny, Tracer(), num_blocks=96)

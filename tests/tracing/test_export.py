@@ -12,7 +12,8 @@ import pytest
 from tokenloop.engine import LLMEngine
 from tokenloop.model.loader import Checkpoint
 from tokenloop.request import SamplingParams
-from tokenloop.tracing import Tracer, request_timeline
+from tokenloop.observe.exports import request_timeline
+from tokenloop.observe.tracer import Tracer
 
 from tests.tracing.conftest import PROMPTS, make_engine, run_to_end
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.model.loader import Checkpoint
 from tokenloop.request import SamplingParams
-from tokenloop.tracing import STAGES, Tracer
+from tokenloop.observe.tracer import Tracer
+from tokenloop.observe.traces import STAGES
 
 from tests.tracing.conftest import GREEDY, PROMPTS, make_engine, run_to_end
 

@@ -33,7 +33,8 @@ from tokenloop.observe.records import EngineObserver, StepRecord
 from tokenloop.request import NS_PER_S, SamplingParams
 
 if TYPE_CHECKING:
-    from tokenloop.engine import LLMEngine, RequestOutput
+    from tokenloop.engine import LLMEngine
+    from tokenloop.outputs import RequestOutput
     from tokenloop.tokenizer import Tokenizer
 
 CLOCK_MODES = ("virtual", "cost", "real")

@@ -335,7 +335,7 @@ def _check_external(url: str, config: SoakConfig, report: SoakReport) -> None:
 def _serve_in_process(config: SoakConfig) -> Any:
     from tokenloop.engine import LLMEngine
     from tokenloop.llm import build_engine_config
-    from tokenloop.serving.api import create_app
+    from tokenloop.serving.app import create_app
     from tokenloop.serving.server import ServerThread
 
     options: dict[str, Any] = {"num_blocks": config.num_kv_blocks, "policy": config.policy}

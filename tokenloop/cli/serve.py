@@ -143,7 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = build_engine_config(args.model, **_engine_options(args))
         beat = heartbeat_interval_s(args.hang_timeout) if args.hang_timeout else None
         started = start_core_process(config, start_method="fork", heartbeat_interval_s=beat)
-    from tokenloop.serving.api import create_app
+    from tokenloop.serving.app import create_app
     from tokenloop.serving.limits import resolve_api_key
     from tokenloop.serving.server import serve_forever
 

@@ -10,13 +10,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenloop.serving.api import create_app
+    from tokenloop.serving.app import create_app
     from tokenloop.serving.async_engine import AsyncEngine, RequestSpec, RequestStream
     from tokenloop.serving.server import ServerThread, serve_forever
 
 # Imported when first named: `tokenloop serve` starts its engine core (tokenloop.serving.core_client)
 # before it imports the web framework.
-_EXPORTS = {"create_app": "tokenloop.serving.api", "AsyncEngine": "tokenloop.serving.async_engine",
+_EXPORTS = {"create_app": "tokenloop.serving.app", "AsyncEngine": "tokenloop.serving.async_engine",
             "RequestSpec": "tokenloop.serving.async_engine", "RequestStream": "tokenloop.serving.async_engine",
             "ServerThread": "tokenloop.serving.server", "serve_forever": "tokenloop.serving.server"}
 
