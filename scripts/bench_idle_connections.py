@@ -26,7 +26,6 @@ import resource
 import selectors
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time

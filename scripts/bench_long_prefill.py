@@ -87,7 +87,7 @@ async def newcomer_round(client: Client, rng: random.Random, args: argparse.Name
     try:
         newcomer_s: float | None = await asyncio.wait_for(client.timed(newcomer, now + delay_s),
                                                           delay_s + args.newcomer_timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         newcomer_s = None
     num_long_done = sum(1 for task in longs if task.done())
     await client.cancel(longs)

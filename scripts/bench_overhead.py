@@ -152,7 +152,8 @@ def summarise(steps: list[StepTimes], last: int) -> dict[str, float]:
     sample_ms = 1e3 * statistics.mean(s.sample_s for s in decode)
     tail_sample_ms = 1e3 * statistics.mean(s.sample_s for s in tail)
     return {"build_ms": build_ms, "tail_build_ms": tail_build_ms, "sample_ms": sample_ms,
-            "tail_sample_ms": tail_sample_ms, "steps": len(decode), "step_ms": step_ms, "overhead_ms": over_ms, "overhead_pct": over_pct,
+            "tail_sample_ms": tail_sample_ms, "steps": len(decode), "step_ms": step_ms, "overhead_ms": over_ms,
+            "overhead_pct": over_pct,
             "median_overhead_ms": median_over, "tail_overhead_ms": tail_ms, "tail_overhead_pct": tail_pct}
 
 

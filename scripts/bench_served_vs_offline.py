@@ -35,7 +35,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-
 from tokenloop.bench.datasets import (
     DatasetConfig,
     as_text_prompts,

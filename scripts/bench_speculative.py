@@ -41,7 +41,7 @@ CHAT_ASKS = ["Write a short poem about the sea.", "Give me three tips for learni
              "Tell me a fun fact about octopuses.", "How do plants grow?"]
 
 
-def workloads(tokenizer) -> dict[str, list[str]]:  # noqa: ANN001 - the model's Tokenizer
+def workloads(tokenizer) -> dict[str, list[str]]:  # the model's Tokenizer
     def chat(text: str) -> str:
         return tokenizer.apply_chat_template([{"role": "user", "content": text}])
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.structured.schemas import generate_schemas  # noqa: E402
-from tokenloop import LLM, SamplingParams  # noqa: E402
-from tokenloop.structured import StructuredOutputsParams  # noqa: E402
-from tokenloop.structured.compiler import GrammarCompiler  # noqa: E402
+from tests.structured.schemas import generate_schemas
+from tokenloop import LLM, SamplingParams
+from tokenloop.structured import StructuredOutputsParams
+from tokenloop.structured.compiler import GrammarCompiler
 
 LONG = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}}, "required": ["story"]}
 

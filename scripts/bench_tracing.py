@@ -24,15 +24,16 @@ import platform
 import random
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from tokenloop.engine import LLMEngine
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import DEFAULT_MODEL, load_checkpoint
-from tokenloop.request import SamplingParams
 from tokenloop.observe.tracer import Tracer
+from tokenloop.request import SamplingParams
 
 HOOKS = ("on_arrival", "on_step", "on_release")
 

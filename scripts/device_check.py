@@ -53,8 +53,8 @@ from tokenloop.model.attention import (
     paged_attention,
     triton_attention_kernels,
 )
-from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import Checkpoint
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.observe.records import EngineObserver, StepRecord
 from tokenloop.request import SamplingParams
 from tokenloop.sim.cost import fit

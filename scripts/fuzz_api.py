@@ -27,17 +27,16 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.conftest import write_tiny_llama  # noqa: E402
-from tests.serving.api_fuzzer import (FuzzBounds, FuzzRun, GreedyBystander, call_strategy,  # noqa: E402
-                                      warm_up)
-from tests.serving.conftest import MODEL, LiveServer  # noqa: E402
-from tests.serving.hostile_util import KEY, engine_quiet, keyed_server  # noqa: E402
-from tests.serving.test_schema_fuzz import SERVER_LIMITS, SERVER_OPTIONS  # noqa: E402
-from tokenloop.config import build_engine_config  # noqa: E402
-from tokenloop.model.loader import load_checkpoint  # noqa: E402
-from tokenloop.serving.app import create_app  # noqa: E402
-from tokenloop.serving.async_engine import AsyncEngine  # noqa: E402
-from tokenloop.serving.server import ServerThread  # noqa: E402
+from tests.conftest import write_tiny_llama
+from tests.serving.api_fuzzer import FuzzBounds, FuzzRun, GreedyBystander, call_strategy, warm_up
+from tests.serving.conftest import MODEL, LiveServer
+from tests.serving.hostile_util import KEY, engine_quiet, keyed_server
+from tests.serving.test_schema_fuzz import SERVER_LIMITS, SERVER_OPTIONS
+from tokenloop.config import build_engine_config
+from tokenloop.model.loader import load_checkpoint
+from tokenloop.serving.app import create_app
+from tokenloop.serving.async_engine import AsyncEngine
+from tokenloop.serving.server import ServerThread
 
 
 @contextmanager

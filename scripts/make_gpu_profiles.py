@@ -170,7 +170,8 @@ def derive(gpu: Gpu, model: Model, tp: int, why_tp: str) -> dict:
     sources = {
         **gpu.sources,
         "shape": model.source,
-        "params": f"{model.params / 1e9:.2f}e9 counted from the config (dense matmuls {model.dense_params / 1e9:.2f}e9, "
+        "params": f"{model.params / 1e9:.2f}e9 counted from the config "
+                  f"(dense matmuls {model.dense_params / 1e9:.2f}e9, "
                   f"embedding and LM head {model.vocab * model.hidden / 1e9:.3f}e9 each)",
         "weight_bytes": f"{weight_bytes / 1e9:.1f}e9: params x 2 bytes (bf16)",
         "tensor_parallel": why_tp,

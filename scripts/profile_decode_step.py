@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tokenloop.model.fused_cpu as fused_module
 from scripts.bench_forward import build_form, make_decode_run
-from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
+from tokenloop.model.models.llama import LlamaModel
 
 
 class KernelTimer:

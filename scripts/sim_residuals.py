@@ -7,7 +7,8 @@
 
 `record` replays the validation trace exactly as `simulate validate` does (fcfs, the engine options of
 `DEFAULT_ENGINE`, one warm-up engine first), on the real clock or the virtual one, and pickles the steps,
-the instants each `LLMEngine.step()` began and ended, and the requests' records. `resim` simulates a saved validation's cells again with other profiles, against the same real runs.
+the instants each `LLMEngine.step()` began and ended, and the requests' records. `resim` simulates a saved
+validation's cells again with other profiles, against the same real runs.
 `analyze` splits the
 run's wall span into step bodies (the `StepRecord`s' [start, end]: what the fit is fitted on), the rest of
 `LLMEngine.step()` (output processing, detokenization), the replay loop between steps, and idle time
@@ -192,7 +193,8 @@ def analyze(args: argparse.Namespace) -> int:
     gaps = [calls[i + 1][0] - calls[i][1] for i in range(len(calls) - 1)]
     busy_gaps = [g for g in gaps if g < 5_000_000]  # longer ones wait for an arrival
     print(f"\nwall span {(calls[-1][1] - calls[0][0]) / 1e9:.2f} s: step bodies {body.sum():.2f} s, rest of "
-          f"LLMEngine.step() {(in_calls / 1e9 - body.sum()):.3f} s ({(in_calls / 1e9 - body.sum()) / len(calls) * 1e3:.2f}"
+          f"LLMEngine.step() {(in_calls / 1e9 - body.sum()):.3f} s "
+          f"({(in_calls / 1e9 - body.sum()) / len(calls) * 1e3:.2f}"
           f" ms a call), between calls {sum(gaps) / 1e9:.2f} s ({len(busy_gaps)} gaps < 5 ms: mean "
           f"{statistics.fmean(busy_gaps) / 1e6 if busy_gaps else 0:.2f} ms; the rest idle, waiting for arrivals)")
     itls = [g for r in data["records"] for g in r.itls_s]
@@ -251,7 +253,8 @@ def crossfit(args: argparse.Namespace) -> int:
         cells = []
         for n in models:
             target = periods[idx].mean() if "period" in n else body[idx].mean()
-            cells.append(f"{1e3 * predicted[n][idx].mean():14.1f} {100 * (predicted[n][idx].mean() / target - 1):+7.0f}% ")
+            mean = predicted[n][idx].mean()
+            cells.append(f"{1e3 * mean:14.1f} {100 * (mean / target - 1):+7.0f}% ")
         print(f"{name:20} {len(idx):4d} {1e3 * body[idx].mean():7.1f} {1e3 * periods[idx].mean():7.1f} "
               + " ".join(cells))
     return 0

@@ -77,7 +77,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny(tiny_model_dir: Path):  # noqa: ANN201 - a Checkpoint (imported lazily: torch-heavy)
+def tiny(tiny_model_dir: Path):  # a Checkpoint (imported lazily: torch-heavy)
     """The tiny model loaded once per session, for engines built in tests."""
     from tokenloop.model.loader import load_checkpoint
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.conftest import TINY_PROMPTS
@@ -11,7 +10,6 @@ from tokenloop.engine import LLMEngine
 from tokenloop.errors import InvalidRequestError
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
-from tokenloop.request import RequestStatus
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -156,7 +154,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny: Ch
     engine.add_request("doomed", PROMPTS[0], GREEDY)
     real_execute = engine.runner.execute
 
-    def broken(output):  # noqa: ANN001, ANN202
+    def broken(output):
         raise RuntimeError("simulated kernel failure")
 
     monkeypatch.setattr(engine.runner, "execute", broken)

@@ -102,11 +102,11 @@ def inject(engine: LLMEngine, stage: str) -> None:
 
         sampler.sample = sample
     elif stage in ("update", "detokenize"):
-        request = engine.core._requests[VICTIM]  # noqa: SLF001 - the test reaches the victim's own state
+        request = engine.core._requests[VICTIM]  # the test reaches the victim's own state
         if stage == "update":  # the core's update: append and stop checks
             request.append_output_token = _raise_for(lambda token: request, request.append_output_token)
         else:  # the front end's update: text and stop strings
-            _, sample = engine.outputs._samples[VICTIM]  # noqa: SLF001
+            _, sample = engine.outputs._samples[VICTIM]
             sample.detokenizer.update = _raise_for(lambda *a, **k: request, sample.detokenizer.update)
     else:
         raise AssertionError(stage)

@@ -24,7 +24,8 @@ _EXPORTS = {"LLM": "tokenloop.llm", "LLMEngine": "tokenloop.engine", "RequestOut
             "EngineConfig": "tokenloop.config", "CacheConfig": "tokenloop.config",
             "SchedulerConfig": "tokenloop.config"}
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "CacheConfig", "SchedulerConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "CacheConfig", "SchedulerConfig", "RequestOutput",
+           "CompletionOutput"]
 __version__ = "0.1.0"
 
 

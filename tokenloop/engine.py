@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from tokenloop.config import EngineConfig
 from tokenloop.core.engine_core import EngineCore
@@ -26,6 +27,15 @@ from tokenloop.observe.records import Observes
 from tokenloop.outputs import OutputProcessor, RequestOutput
 from tokenloop.request import Clock, SamplingParams, default_clock
 from tokenloop.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenloop.core.kv_cache import KVCacheManager
+    from tokenloop.core.scheduler import Scheduler
+    from tokenloop.model.dtypes import DtypeChoice
+    from tokenloop.model.models.llama import LlamaModel
+    from tokenloop.runner import ModelRunner
+    from tokenloop.sampler import Sampler
+    from tokenloop.structured.engine_hooks import StructuredOutputs
 
 __all__ = ["LLMEngine"]
 
@@ -61,31 +71,31 @@ class LLMEngine:
         return self.core.max_model_len
 
     @property
-    def scheduler(self):  # noqa: ANN201 - tokenloop.core.scheduler.Scheduler
+    def scheduler(self) -> Scheduler:
         return self.core.scheduler
 
     @property
-    def kv_cache(self):  # noqa: ANN201 - tokenloop.core.kv_cache.KVCacheManager
+    def kv_cache(self) -> KVCacheManager:
         return self.core.kv_cache
 
     @property
-    def runner(self):  # noqa: ANN201 - tokenloop.runner.ModelRunner
+    def runner(self) -> ModelRunner:  # or the simulator's stand-in
         return self.core.runner
 
     @property
-    def sampler(self):  # noqa: ANN201 - tokenloop.sampler.Sampler
+    def sampler(self) -> Sampler:
         return self.core.sampler
 
     @property
-    def model(self):  # noqa: ANN201 - tokenloop.model.models.llama.LlamaModel
+    def model(self) -> LlamaModel | None:
         return self.core.model
 
     @property
-    def structured(self):  # noqa: ANN201 - tokenloop.structured.engine_hooks.StructuredOutputs
+    def structured(self) -> StructuredOutputs:
         return self.core.structured
 
     @property
-    def dtype_choice(self):  # noqa: ANN201 - tokenloop.model.dtypes.DtypeChoice
+    def dtype_choice(self) -> DtypeChoice | None:
         return self.core.dtype_choice
 
     @property

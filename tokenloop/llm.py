@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -12,6 +13,7 @@ from tokenloop.errors import InvalidRequestError
 from tokenloop.model.loader import DEFAULT_MODEL, Checkpoint
 from tokenloop.outputs import RequestOutput
 from tokenloop.request import Clock, SamplingParams, default_clock
+from tokenloop.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
@@ -24,7 +26,7 @@ class LLM:
         self.engine = LLMEngine(build_engine_config(model, **engine_options), checkpoint=checkpoint, clock=clock)
         self._counter = 0
 
-    def get_tokenizer(self):  # noqa: ANN201 - the Tokenizer, as in vLLM
+    def get_tokenizer(self) -> Tokenizer:  # as in vLLM
         return self.engine.tokenizer
 
     def generate(

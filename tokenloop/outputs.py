@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
 from tokenloop.errors import InvalidRequestError
-from tokenloop.request import NS_PER_S, RequestTimes, SamplingParams
 from tokenloop.logprobs import TokenLogprobs
+from tokenloop.request import NS_PER_S, RequestTimes, SamplingParams
 from tokenloop.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class OutputProcessor:
             touched[group.request_id] = group
             try:
                 stop = self._apply(group, sample, out, now)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the others down
+            except Exception as exc:  # one request's failure must not take the others down
                 logger.exception("processing the output of %s failed", sample.core_id)
                 sample.finish_reason = "error"
                 sample.error = f"the server failed while detokenizing this request ({type(exc).__name__})"

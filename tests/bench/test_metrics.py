@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tokenloop.bench.metrics import (RequestRecord, compute_metrics, format_metrics, meets_slos, parse_goodput,
-                                     result_json)
+from tokenloop.bench.metrics import (
+    RequestRecord,
+    compute_metrics,
+    format_metrics,
+    meets_slos,
+    parse_goodput,
+    result_json,
+)
 
 
 def _records() -> list[RequestRecord]:

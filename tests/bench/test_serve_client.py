@@ -200,7 +200,7 @@ def test_chat_needs_text_prompts() -> None:
 
 # ---- a real socket: the whole command against a tiny SSE app ------------------------------------
 
-def _sse_app(received: list[dict[str, Any]]):  # noqa: ANN202 - a Starlette app
+def _sse_app(received: list[dict[str, Any]]):  # a Starlette app
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import StreamingResponse

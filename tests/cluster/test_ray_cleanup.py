@@ -14,8 +14,8 @@ import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed: pip install 'tokenloop[ray]'")
 
-from tests.serving.test_core_process import _alive  # noqa: E402
-from tokenloop.core.private_dir import LOCK_NAME, PrivateDir  # noqa: E402
+from tests.serving.test_core_process import _alive
+from tokenloop.core.private_dir import LOCK_NAME, PrivateDir
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -19,7 +19,7 @@ from tokenloop.errors import ClusterConflictError, ReplicaNotFoundError
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
 from tokenloop.request import SamplingParams
-from tokenloop.serving.async_engine import AsyncEngine, RequestSpec
+from tokenloop.serving.async_engine import AsyncEngine
 
 # fp32: greedy tokens are exact whatever the batch (dtype auto may pick bf16 on this CPU, where the tiny
 # random model has exact logit ties that batch composition breaks one way or the other).
@@ -210,11 +210,11 @@ class _Killable:
 
 @pytest.mark.parametrize("failover", ["fail", "recompute"])
 def test_a_dead_replica_fails_or_resumes_its_requests(tiny: Checkpoint, failover: str) -> None:
+    from tokenloop.cluster.launch import replica_config
     from tokenloop.cluster.load import LoadTracker
     from tokenloop.cluster.router import RouterConfig, make_router
     from tokenloop.core.engine_core import EngineCore
     from tokenloop.serving.core_client import InProcessCoreClient
-    from tokenloop.cluster.launch import replica_config
 
     config = replica_config(build_engine_config(str(tiny.path), **OPTIONS))
     clients = [_Killable(InProcessCoreClient(EngineCore(config, tiny), records_in_frames=True)) for _ in range(2)]

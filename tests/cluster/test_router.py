@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 from tests.conftest import TINY_PROMPTS
 from tokenloop.cluster.load import DEFAULT_STEP_COSTS, LoadTracker, ReplicaLoad, StepCostFit, StepCosts
 from tokenloop.cluster.router import (
-    ROUTERS, CostRouter, Dispatcher, NoReplicaError, RouteRequest, RouterConfig, make_router, predicted_ttft_s,
+    ROUTERS,
+    CostRouter,
+    Dispatcher,
+    NoReplicaError,
+    RouterConfig,
+    RouteRequest,
+    make_router,
+    predicted_ttft_s,
     prompt_block_hashes,
 )
 from tokenloop.core.engine_core import EngineCore

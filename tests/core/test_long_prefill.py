@@ -64,7 +64,7 @@ def long_prompts_then_newcomer(config: SchedulerConfig, arrives_after: int) -> t
         engine.step()
     assert engine.sched.num_running >= 1 and engine.sched.has_unfinished_requests()
     newcomer = engine.add("newcomer", NEWCOMER_LEN)
-    for waited in range(1, 500):
+    for waited in range(1, 500):  # noqa: B007 - returned: the step the newcomer was first scheduled in
         out = engine.step()
         row = next((item for item in out.scheduled if item.request is newcomer), None)
         if row is not None:

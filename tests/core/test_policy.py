@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenloop.config import SCHEDULING_POLICIES, SchedulerConfig
-from tokenloop.core.policy import (FairSharePolicy, FCFSPolicy, Policy, PriorityPolicy, ShortestJobPolicy,
-                                   make_policy)
+from tokenloop.core.policy import FairSharePolicy, FCFSPolicy, Policy, PriorityPolicy, ShortestJobPolicy, make_policy
 from tokenloop.errors import ConfigError
 from tokenloop.request import NS_PER_S, Request, SamplingParams
 

@@ -15,9 +15,9 @@ from tokenloop.core import wire
 from tokenloop.core.messages import CoreError, CoreFrame, CoreOutput, CoreOutputs
 from tokenloop.core.scheduler import SchedulerStats
 from tokenloop.errors import CapacityError, InvalidRequestError, RequestFailedError
+from tokenloop.logprobs import TokenLogprobs
 from tokenloop.observe.records import ScheduledChunk, StepGauges, StepRecord
 from tokenloop.request import SamplingParams
-from tokenloop.logprobs import TokenLogprobs
 from tokenloop.structured.spec import StructuredOutputsParams
 
 _ints = st.integers(-2 ** 53, 2 ** 53)

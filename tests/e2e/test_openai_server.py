@@ -77,7 +77,7 @@ def client(server_url: str) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def offline_llm():  # noqa: ANN201 - tokenloop.LLM
+def offline_llm():  # tokenloop.LLM
     from tokenloop import LLM
 
     return LLM(MODEL, dtype="float32")  # as the server: see server_url
@@ -167,7 +167,7 @@ def test_seed_reproducibility(client: openai.OpenAI) -> None:
 
 # ---- concurrency -----------------------------------------------------------------------------------
 
-def test_32_concurrent_greedy_streams_match_offline(server_url: str, offline_llm) -> None:  # noqa: ANN001
+def test_32_concurrent_greedy_streams_match_offline(server_url: str, offline_llm) -> None:
     from tokenloop import SamplingParams
 
     completion_prompts = [f"Write one sentence about {t}." for t in TOPICS[:16]]

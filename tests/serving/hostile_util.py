@@ -21,9 +21,9 @@ from tests.serving.conftest import MODEL, LiveServer, metric_value
 from tokenloop.engine import LLMEngine
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
+from tokenloop.observe.tracer import Tracer
 from tokenloop.serving.app import create_app
 from tokenloop.serving.server import ServerThread
-from tokenloop.observe.tracer import Tracer
 
 KEY = "hostile-suite-key-9"
 AUTH = {"Authorization": f"Bearer {KEY}"}

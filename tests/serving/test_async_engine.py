@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from tests.serving.conftest import make_engine, slow_steps
+from tests.serving.conftest import make_engine
 from tokenloop.errors import CapacityError, EngineStoppedError, InvalidRequestError, RequestFailedError
-from tokenloop.observe.metrics import EngineMetrics
 from tokenloop.model.loader import Checkpoint
+from tokenloop.observe.metrics import EngineMetrics
 from tokenloop.request import SamplingParams
 from tokenloop.serving.async_engine import AsyncEngine, RequestSpec
 

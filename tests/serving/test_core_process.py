@@ -148,7 +148,8 @@ _ORPHAN = textwrap.dedent("""
 def test_the_core_exits_when_its_parent_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
     script = tmp_path / "orphan.py"
     script.write_text(_ORPHAN)
-    result = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], capture_output=True, text=True, check=True,
+    result = subprocess.run([sys.executable, str(script), str(tiny_model_dir)], capture_output=True, text=True,
+                            check=True,
                             timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     pid = int(result.stdout.split()[0])
     deadline = time.monotonic() + 5

@@ -650,7 +650,7 @@ class ServerHolder:
             cm, self._cm, self.live = self._cm, None, None
             try:
                 cm.__exit__(None, None, None)
-            except Exception:  # noqa: BLE001, S110 - a broken server still must not keep the port
+            except Exception:  # noqa: BLE001 - a broken server still must not keep the port
                 pass
 
     @staticmethod

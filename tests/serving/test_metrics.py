@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from tests.serving.conftest import metric_value
-from tokenloop.outputs import RequestMetrics
 from tokenloop.observe.metrics import EngineMetrics
 from tokenloop.observe.records import StepGauges, StepRecord
+from tokenloop.outputs import RequestMetrics
 
 
 def _gauges(queries: int, hits: int, preemptions: int, running: int = 2) -> StepGauges:

@@ -15,8 +15,16 @@ import pytest
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 
-from tests.serving.api_fuzzer import (Call, FuzzBounds, FuzzRun, GreedyBystander, body_fields, call_strategy,
-                                      known_issue, warm_up)
+from tests.serving.api_fuzzer import (
+    Call,
+    FuzzBounds,
+    FuzzRun,
+    GreedyBystander,
+    body_fields,
+    call_strategy,
+    known_issue,
+    warm_up,
+)
 from tests.serving.conftest import LiveServer
 from tests.serving.hostile_util import AUTH, assert_error, engine_quiet, keyed_server
 from tokenloop.config import ServerLimits

@@ -17,7 +17,8 @@ from tokenloop.sim.profiles import (
     this_machine,
 )
 
-SWEEP = ["--batches", "1,3", "--contexts", "8,40", "--decode-tokens", "4", "--mixed-batches", "2", "--mixed-prompts", "8"]
+SWEEP = ["--batches", "1,3", "--contexts", "8,40", "--decode-tokens", "4", "--mixed-batches", "2",
+         "--mixed-prompts", "8"]
 
 
 def test_keys_differ_by_each_field_and_name_this_machine() -> None:

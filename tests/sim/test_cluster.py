@@ -34,7 +34,8 @@ def _cluster(n: int) -> SimulatedCluster:
 def _trace(n: int = 16) -> list[TraceRequest]:
     shared = tuple(range(1, 13))
     return [TraceRequest(id=f"r{i}", arrival_s=round(0.004 * i + (0.02 if i % 5 == 0 else 0), 6),
-                         max_tokens=3 + i % 6, prompt_tokens=shared[:4 * (i % 3)] + tuple(range(40 + 9 * i, 49 + 9 * i)),
+                         max_tokens=3 + i % 6,
+                         prompt_tokens=shared[:4 * (i % 3)] + tuple(range(40 + 9 * i, 49 + 9 * i)),
                          user=f"s{i % 3}")
             for i in range(n)]
 

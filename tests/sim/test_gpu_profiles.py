@@ -30,7 +30,8 @@ DECODE_RANGES_MS = {
     # The H100 range scaled by the bandwidth ratio (3.35 / 4.8 TB/s), the fixed overhead kept.
     "h200-llama3-8b": (3.5, 12.0),
     # Llama 70B bf16 at batch 1 on A100: ~35 tok/s (28.6 ms; a third-party aggregation of vLLM numbers,
-    # alpha-one-index.github.io/ai-infra-index/specs/inference-benchmarks.html), and a reported TP=8 batch-16 TBT p50 of 32 ms (evokernel case llama33-a100x8-vllm-001).
+    # alpha-one-index.github.io/ai-infra-index/specs/inference-benchmarks.html), and a reported TP=8 batch-16
+    # TBT p50 of 32 ms (evokernel case llama33-a100x8-vllm-001).
     "a100-llama3-70b-tp4": (20.0, 40.0),
     # Llama 70B bf16 at batch 1 on H100 with vLLM: ~85 tok/s (11.8 ms; the same ai-infra-index page),
     # up to 2.5x that at batch 32.

@@ -6,8 +6,8 @@ from tokenloop.core.engine_core import EngineCore
 from tokenloop.core.messages import CoreRequest
 from tokenloop.llm import build_engine_config
 from tokenloop.request import SamplingParams
-from tokenloop.sim.cost import StepCostModel
 from tokenloop.sim.cluster import ReplicaClock
+from tokenloop.sim.cost import StepCostModel
 from tokenloop.sim.runner import sim_core
 
 COST = StepCostModel(step=0.010, tokens=0.0002)

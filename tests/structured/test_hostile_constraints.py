@@ -21,7 +21,8 @@ from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
 from tokenloop.request import SamplingParams
 from tokenloop.structured.compile_worker import GrammarChecker
-from tokenloop.structured.spec import MAX_SCHEMA_DEPTH, StructuredOutputsParams as SO
+from tokenloop.structured.spec import MAX_SCHEMA_DEPTH
+from tokenloop.structured.spec import StructuredOutputsParams as SO
 
 
 def nested_refs(levels: int) -> dict[str, Any]:

@@ -8,8 +8,13 @@ import jsonschema
 import pytest
 
 from tokenloop.errors import InvalidRequestError
-from tokenloop.structured.tool_calls import (ToolChoice, forced_call_constraint, parse_output, resolve_tool_choice,
-                                             template_inputs)
+from tokenloop.structured.tool_calls import (
+    ToolChoice,
+    forced_call_constraint,
+    parse_output,
+    resolve_tool_choice,
+    template_inputs,
+)
 from tokenloop.structured.tool_stream import CallPiece, ContentPiece, ToolCallStream
 
 TOOL = {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {

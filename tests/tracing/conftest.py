@@ -8,9 +8,9 @@ from tests.conftest import TINY_PROMPTS
 from tokenloop.engine import LLMEngine
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
+from tokenloop.observe.tracer import Tracer
 from tokenloop.outputs import RequestOutput
 from tokenloop.request import SamplingParams
-from tokenloop.observe.tracer import Tracer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = TINY_PROMPTS

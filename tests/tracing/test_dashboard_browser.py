@@ -24,13 +24,12 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from tests.tracing.conftest import make_engine
 from tokenloop.engine import LLMEngine
 from tokenloop.model.loader import Checkpoint
+from tokenloop.observe.tracer import Tracer
 from tokenloop.request import SamplingParams
 from tokenloop.serving.trace_routes import make_trace_router
-from tokenloop.observe.tracer import Tracer
-
-from tests.tracing.conftest import make_engine
 
 CHROMIUM = next((path for name in ("chromium", "chromium-browser", "google-chrome")
                  if (path := shutil.which(name)) is not None), None)

@@ -9,13 +9,12 @@ from typing import Any
 
 import pytest
 
+from tests.tracing.conftest import PROMPTS, make_engine, run_to_end
 from tokenloop.engine import LLMEngine
 from tokenloop.model.loader import Checkpoint
-from tokenloop.request import SamplingParams
 from tokenloop.observe.exports import request_timeline
 from tokenloop.observe.tracer import Tracer
-
-from tests.tracing.conftest import PROMPTS, make_engine, run_to_end
+from tokenloop.request import SamplingParams
 
 SEED = json.loads((Path(__file__).parent / "data" / "serving_loop_seed.json").read_text())
 

@@ -8,13 +8,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tokenloop.engine import LLMEngine
-from tokenloop.model.loader import Checkpoint
-from tokenloop.serving.trace_routes import make_trace_router
-from tokenloop.observe.tracer import Tracer
-
 from tests.tracing.conftest import GREEDY, PROMPTS, make_engine, run_to_end
 from tests.tracing.test_export import check_chrome_trace, check_mechanism_schema
+from tokenloop.engine import LLMEngine
+from tokenloop.model.loader import Checkpoint
+from tokenloop.observe.tracer import Tracer
+from tokenloop.serving.trace_routes import make_trace_router
 
 
 @pytest.fixture(scope="module")

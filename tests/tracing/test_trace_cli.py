@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenloop.cli.trace import add_trace_subparser, main
-
 from tests.tracing.test_export import check_chrome_trace, check_mechanism_schema
+from tokenloop.cli.trace import add_trace_subparser, main
 
 
 @pytest.mark.parametrize("fmt", ["mechanism", "chrome"])

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from tests.tracing.conftest import GREEDY, PROMPTS, make_engine, run_to_end
 from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.model.loader import Checkpoint
-from tokenloop.request import SamplingParams
 from tokenloop.observe.tracer import Tracer
 from tokenloop.observe.traces import STAGES
-
-from tests.tracing.conftest import GREEDY, PROMPTS, make_engine, run_to_end
+from tokenloop.request import SamplingParams
 
 
 def _names(tracer: Tracer, request_id: str) -> list[str]:

@@ -18,8 +18,9 @@ import json
 import logging
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tokenloop.config import SCHEDULING_POLICIES
 from tokenloop.errors import TokenloopError
@@ -236,7 +237,8 @@ def run_make_trace_command(args: argparse.Namespace) -> int:
             output_len_sigma=args.output_len_sigma, max_output_len=args.max_output_len,
             prefix_fraction=args.prefix_fraction, num_prefix_groups=args.num_prefix_groups,
             prefix_len=args.prefix_len, hot_prefix_share=args.hot_prefix_share,
-            session_turns=args.session_turns, think_time_s=args.think_time_s, priority_classes=args.priority_classes, num_users=args.num_users,
+            session_turns=args.session_turns, think_time_s=args.think_time_s,
+            priority_classes=args.priority_classes, num_users=args.num_users,
             user_skew=args.user_skew, token_id_range=args.token_id_range)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -340,8 +342,13 @@ def write_result_outputs(result: Any, config: Any, args: argparse.Namespace) -> 
 def run_policies_command(args: argparse.Namespace) -> int:
     """`bench policies`: the comparison table, and the report and JSON where asked."""
     from tokenloop.bench.metrics import parse_goodput
-    from tokenloop.bench.policies import (PolicyBenchConfig, parse_base_urls, parse_policies, parse_step_cost,
-                                          run_policy_benchmark)
+    from tokenloop.bench.policies import (
+        PolicyBenchConfig,
+        parse_base_urls,
+        parse_policies,
+        parse_step_cost,
+        run_policy_benchmark,
+    )
     from tokenloop.bench.trace import load_trace
 
     try:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from tokenloop.bench.trace import TraceConfig, TraceRequest, load_trace, sharegpt_conversations, sharegpt_prompts
 

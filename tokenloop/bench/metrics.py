@@ -15,8 +15,9 @@ Percentiles interpolate linearly between order statistics (numpy's default), as 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 

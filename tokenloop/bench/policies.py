@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tokenloop.bench.replay import ReplayRecord, ReplayRun, StepCost, replay_engine, replay_hf_static, warm_up_engine
 from tokenloop.bench.report import RunSummary, format_table, summarize_run, write_html

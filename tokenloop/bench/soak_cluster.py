@@ -34,10 +34,16 @@ import httpx
 
 from tokenloop.bench.server_process import served_process
 from tokenloop.bench.soak import SoakConfig, SoakReport, _Plan, _plan, _run_one
-from tokenloop.bench.soak_faults import (POLL_S, FaultRecord, inject, replica_metric, replicas,
-                                         watch_first_token)
-from tokenloop.bench.soak_mix import (HOSTILE_CONSTRAINTS, STRUCTURED_REQUESTS, HostileConstraint,
-                                      StructuredRequest, long_prompt, run_hostile_constraint, run_structured)
+from tokenloop.bench.soak_faults import POLL_S, FaultRecord, inject, replica_metric, replicas, watch_first_token
+from tokenloop.bench.soak_mix import (
+    HOSTILE_CONSTRAINTS,
+    STRUCTURED_REQUESTS,
+    HostileConstraint,
+    StructuredRequest,
+    long_prompt,
+    run_hostile_constraint,
+    run_structured,
+)
 from tokenloop.model.loader import DEFAULT_MODEL
 
 WELL_BEHAVED = ("ordinary", "structured", "long")

@@ -33,9 +33,10 @@ import dataclasses
 import json
 import math
 import random
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 from tokenloop.errors import TokenloopError
 

@@ -139,7 +139,7 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     return SpeculativeConfig(**options)
 
 
-def load_engine(args: argparse.Namespace):  # noqa: ANN202 - LLMEngine, imported lazily (torch is slow to import)
+def load_engine(args: argparse.Namespace):  # LLMEngine, imported lazily (torch is slow to import)
     from tokenloop.engine import LLMEngine
     from tokenloop.llm import build_engine_config
     from tokenloop.observe.tracer import Tracer
@@ -148,7 +148,8 @@ def load_engine(args: argparse.Namespace):  # noqa: ANN202 - LLMEngine, imported
     begin = time.perf_counter()
     sample_rate = getattr(args, "trace_sample_rate", 0.0)
     # The dashboard and /v1/trace read the tracer; iterations are always recorded, requests sampled.
-    tracer = Tracer(sample_rate=sample_rate) if getattr(args, "command", None) == "serve" and not args.no_trace else None
+    serving = getattr(args, "command", None) == "serve"
+    tracer = Tracer(sample_rate=sample_rate) if serving and not args.no_trace else None
     engine = LLMEngine(config, tracer=tracer)
     logger.info("loaded %s in %.1f s: max_model_len=%d, %d KV blocks of %d tokens, policy=%s; %s", args.model,
                 time.perf_counter() - begin, engine.max_model_len, engine.kv_cache.num_blocks,

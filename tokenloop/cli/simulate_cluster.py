@@ -59,7 +59,7 @@ def _replay(trace: Sequence[Any], profile: Any, engine_config: Any, router_name:
             vocab_size: int, label: str, time_scale: float) -> Any:
     from tokenloop.bench.replay import SIMULATED_CLOCK, ReplayRun, _fill_from_output, _new_record
     from tokenloop.cluster.load import LoadTracker, StepCosts
-    from tokenloop.cluster.router import Dispatcher, RouteDecision, RouteRequest, RouterConfig, make_router
+    from tokenloop.cluster.router import Dispatcher, RouteDecision, RouterConfig, RouteRequest, make_router
     from tokenloop.request import NS_PER_S
     from tokenloop.sim.cluster import SimRequest, SimulatedCluster
     from tokenloop.sim.energy import StepEnergy, attach_energy, energy_summary

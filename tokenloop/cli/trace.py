@@ -56,8 +56,8 @@ def run_trace(args: argparse.Namespace) -> int:
     """Build a traced engine, run the request (and any companions) to the end, write the export."""
     from tokenloop.engine import LLMEngine
     from tokenloop.llm import build_engine_config
-    from tokenloop.request import SamplingParams
     from tokenloop.observe.tracer import Tracer
+    from tokenloop.request import SamplingParams
 
     options = {key: value for key, value in (
         ("block_size", args.block_size), ("num_blocks", args.num_kv_blocks), ("max_num_seqs", args.max_num_seqs),

@@ -5,8 +5,16 @@ re-exports the router's public names for convenience.
 """
 
 from tokenloop.cluster.load import LoadTracker, ReplicaLoad, StepCosts
-from tokenloop.cluster.router import (ROUTERS, Dispatcher, NoReplicaError, RouteDecision, Router, RouterConfig,
-                                      RouteRequest, make_router)
+from tokenloop.cluster.router import (
+    ROUTERS,
+    Dispatcher,
+    NoReplicaError,
+    RouteDecision,
+    Router,
+    RouterConfig,
+    RouteRequest,
+    make_router,
+)
 
 __all__ = ["ROUTERS", "Dispatcher", "LoadTracker", "NoReplicaError", "ReplicaLoad", "RouteDecision", "RouteRequest",
            "Router", "RouterConfig", "StepCosts", "make_router"]

@@ -23,9 +23,8 @@ def replicas_status(replicas: ReplicaSet) -> dict[str, Any]:
 
 def drain(replicas: ReplicaSet, index: int) -> dict[str, Any]:
     """Admit nothing new on replica `index` and move its running requests to the others."""
-    from tokenloop.cluster.router import RouteRequest
-
     from tokenloop.cluster.replica_set import ClusterError
+    from tokenloop.cluster.router import RouteRequest
 
     replica = replicas.replica(index)
     others = [r for r in replicas.replicas if r.alive and r.admitting and r.index != index]

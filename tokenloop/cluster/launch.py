@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenloop.cluster.load import LoadTracker
-from tokenloop.cluster.router import RouterConfig, make_router
-
 from tokenloop.cluster.replica_set import FAILOVER_MODES, ReplicaSet
+from tokenloop.cluster.router import RouterConfig, make_router
 from tokenloop.core.heartbeat import DEFAULT_HANG_TIMEOUT_S, check_hang_timeout
 from tokenloop.errors import InvalidRequestError
 

@@ -246,7 +246,7 @@ class RayCoreClient:
             self._hang = f"{self.name}: {hang}; it was killed"
             try:
                 self._ray.kill(self.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - Ray itself is gone: so is the actor
+            except Exception:  # Ray itself is gone: so is the actor
                 logger.debug("could not kill %s", self.actor_name, exc_info=True)
         return self._hang
 

@@ -33,12 +33,12 @@ from tokenloop.core.recording import gauges, release_infos, step_record
 from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerStats
 from tokenloop.core.speculative import NgramProposer, accept_greedy
 from tokenloop.errors import ConfigError, InvalidRequestError
+from tokenloop.logprobs import TokenLogprobs
 from tokenloop.model.dtypes import CpuFeatures, build_model, require_device, resolve_dtype
 from tokenloop.model.loader import Checkpoint, load_checkpoint
 from tokenloop.observe.records import ArrivalRecord, ObserverSet, Observes
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
 from tokenloop.runner import ModelRunner, RunnerOutput
-from tokenloop.logprobs import TokenLogprobs
 from tokenloop.sampler import Sampler
 from tokenloop.structured.engine_hooks import StructuredOutputs
 

@@ -101,7 +101,7 @@ class HeartbeatThread:
                 except zmq.Again:
                     pass  # not connected yet: the next beat says the same
                 self._stop.wait(self._interval_s)
-        except Exception:  # noqa: BLE001 - without beats the front end declares a hang: log why
+        except Exception:  # without beats the front end declares a hang: log why
             logger.exception("the engine core's heartbeat stopped")
         finally:
             socket.close(linger=0)

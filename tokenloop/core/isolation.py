@@ -13,9 +13,9 @@ import logging
 import torch
 
 from tokenloop.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenloop.logprobs import TokenLogprobs
 from tokenloop.request import Request
 from tokenloop.runner import ModelRunner, RunnerOutput
-from tokenloop.logprobs import TokenLogprobs
 from tokenloop.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def execute_isolated(runner: ModelRunner, schedule: SchedulerOutput,
     """One forward over the batch; on an error, the batch of the survivors, their result, and the failures."""
     try:
         return schedule, runner.execute(schedule), []
-    except Exception as exc:  # noqa: BLE001 - isolate below
+    except Exception as exc:  # isolate below
         logger.exception("model forward failed for a batch of %d request(s)", len(schedule.scheduled))
         first_error = exc
     items = schedule.scheduled
@@ -45,7 +45,7 @@ def execute_isolated(runner: ModelRunner, schedule: SchedulerOutput,
     rest = _sub_schedule(schedule, survivors)
     try:
         return rest, runner.execute(rest), failures
-    except Exception as exc:  # noqa: BLE001 - fails only together: give up on all of them
+    except Exception as exc:  # fails only together: give up on all of them
         logger.exception("model forward failed again for the remaining batch")
         return rest, None, failures + [(item.request, stage, exc) for item in survivors]
 
@@ -58,7 +58,7 @@ def _failing_items(runner: ModelRunner, schedule: SchedulerOutput, items: list[S
     try:
         runner.execute(_sub_schedule(schedule, items))
         return []
-    except Exception as exc:  # noqa: BLE001 - narrowed down below
+    except Exception as exc:  # narrowed down below
         if len(items) == 1:
             logger.exception("model forward failed for request %s", items[0].request_id)
             return [(items[0], exc)]
@@ -76,14 +76,14 @@ def sample_isolated(sampler: Sampler, logits: torch.Tensor, requests: list[Reque
     try:
         out = sampler.sample(logits, SamplingBatch.from_requests(requests, vocab_size))
         return list(zip(requests, out.token_ids, out.logprobs)), []
-    except Exception:  # noqa: BLE001 - isolate below
+    except Exception:  # isolate below
         logger.exception("sampling failed for a batch of %d request(s)", len(requests))
     sampled: list[Sampled] = []
     failures: list[Failure] = []
     for row, request in enumerate(requests):
         try:
             out = sampler.sample(logits[row:row + 1], [request])
-        except Exception as exc:  # noqa: BLE001 - this row's sampling fails: it ends with an error
+        except Exception as exc:  # this row's sampling fails: it ends with an error
             logger.exception("sampling failed for request %s", request.request_id)
             failures.append((request, "sampling", exc))
             continue

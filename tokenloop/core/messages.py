@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloop.core.kv_events import KVEventBatch
+from tokenloop.logprobs import TokenLogprobs
 from tokenloop.observe.records import ArrivalRecord, HandoffRecord, ReleaseInfo, StepRecord
 from tokenloop.request import SamplingParams
-from tokenloop.logprobs import TokenLogprobs
 
 
 @dataclass(slots=True)

@@ -238,8 +238,9 @@ class FairSharePolicy(_RankedPolicy):
     `max_idle_users` are kept, and past it the longest idle is forgotten (its excess service forgiven).
 
     The preemption victim is the latest arrival, and running requests are served in arrival order, as
-    in FCFS: fairness acts on admission order (as in VTC). A counter-based victim flips as counters grow, and under recompute preemption two requests
-    can then throw each other's work away forever (a livelock hypothesis found with a 6-block pool).
+    in FCFS: fairness acts on admission order (as in VTC). A counter-based victim flips as counters grow,
+    and under recompute preemption two requests can then throw each other's work away forever (a livelock
+    hypothesis found with a 6-block pool).
     """
 
     name = "fair"

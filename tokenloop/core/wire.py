@@ -37,6 +37,7 @@ from tokenloop.core.messages import (
     UtilityCall,
 )
 from tokenloop.core.scheduler import SchedulerStats
+from tokenloop.logprobs import TokenLogprobs
 from tokenloop.observe.records import (
     ArrivalRecord,
     ReleaseInfo,
@@ -45,7 +46,6 @@ from tokenloop.observe.records import (
     StepRecord,
 )
 from tokenloop.request import SamplingParams
-from tokenloop.logprobs import TokenLogprobs
 from tokenloop.structured.spec import StructuredOutputsParams
 
 # The tag of each class is its index here: append only, both ends must agree.

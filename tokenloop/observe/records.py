@@ -193,16 +193,16 @@ class EngineObserver:
     the records): keep the work short, and copy under your own lock what other threads read.
     """
 
-    def on_arrival(self, record: ArrivalRecord) -> None:  # noqa: B027 - optional hook
+    def on_arrival(self, record: ArrivalRecord) -> None:  # an optional hook: empty on purpose
         pass
 
-    def on_step(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
+    def on_step(self, record: StepRecord) -> None:  # an optional hook: empty on purpose
         pass
 
-    def on_release(self, records: list[ReleaseInfo]) -> None:  # noqa: B027 - optional hook
+    def on_release(self, records: list[ReleaseInfo]) -> None:  # an optional hook: empty on purpose
         """Requests that ended outside a step (aborted between steps)."""
 
-    def on_handoff(self, record: HandoffRecord) -> None:  # noqa: B027 - optional hook
+    def on_handoff(self, record: HandoffRecord) -> None:  # an optional hook: empty on purpose
         """A request moved (or tried to move) between replicas of a cluster."""
 
 
@@ -250,5 +250,5 @@ def _safely(observer: object, hook: str, record: object) -> None:
         return  # every hook is optional
     try:
         method(record)
-    except Exception:  # noqa: BLE001 - an observer must never take the loop down
+    except Exception:  # an observer must never take the loop down
         logger.exception("observer %r failed in %s", observer, hook)

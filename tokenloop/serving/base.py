@@ -27,9 +27,18 @@ from tokenloop.logprobs import TokenLogprobs
 from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.serving.async_engine import AsyncEngine, RequestSpec, RequestStream
 from tokenloop.serving.errors import APIError, clipped, invalid
-from tokenloop.serving.protocol import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
-                                        PromptTokensDetails, TokenizeChatRequest, TokenizeCompletionRequest,
-                                        TokenizeResponse, UsageInfo, now_s)
+from tokenloop.serving.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    UsageInfo,
+    now_s,
+)
 from tokenloop.serving.validation import EdgeContext, check_messages, check_template_kwargs, validate_body
 
 if TYPE_CHECKING:

@@ -15,21 +15,35 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tokenloop.errors import InvalidRequestError, RequestFailedError
-from tokenloop.request import SamplingParams
 from tokenloop.logprobs import TokenLogprobs
+from tokenloop.request import SamplingParams
 from tokenloop.serving.async_engine import RequestSpec, RequestStream
-from tokenloop.serving.base import (MIN_LOGPROB, ServingBase, _check_finish, _Prompt, _Submission,
-                                    engine_failure)
+from tokenloop.serving.base import MIN_LOGPROB, ServingBase, _check_finish, _Prompt, _Submission, engine_failure
 from tokenloop.serving.errors import api_error, invalid
-from tokenloop.serving.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk,
-                                        ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
-                                        ChatStreamChoice, ChatTokenLogprob, DeltaMessage, TopLogprob, now_s,
-                                        random_id)
+from tokenloop.serving.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    now_s,
+    random_id,
+)
 from tokenloop.serving.sse import DONE_FRAME, EventStreamResponse, frame
-from tokenloop.serving.structured_fields import (final_message, stream_deltas, stream_finish_reason,
-                                                 tool_choice_of)
-from tokenloop.serving.validation import (check_context, check_context_lower_bound, check_messages,
-                                          check_sampling_fields, check_template_kwargs, check_tools)
+from tokenloop.serving.structured_fields import final_message, stream_deltas, stream_finish_reason, tool_choice_of
+from tokenloop.serving.validation import (
+    check_context,
+    check_context_lower_bound,
+    check_messages,
+    check_sampling_fields,
+    check_template_kwargs,
+    check_tools,
+)
 from tokenloop.structured.tool_calls import ToolChoice, template_inputs
 from tokenloop.structured.tool_stream import ToolCallStream
 from tokenloop.tokenizer import strings_in

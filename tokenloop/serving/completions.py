@@ -13,17 +13,26 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from tokenloop.errors import RequestFailedError
-from tokenloop.request import SamplingParams
 from tokenloop.logprobs import TokenLogprobs
+from tokenloop.request import SamplingParams
 from tokenloop.serving.async_engine import RequestSpec, RequestStream
-from tokenloop.serving.base import (MIN_LOGPROB, ServingBase, _check_finish, _Prompt, _Submission,
-                                    engine_failure)
+from tokenloop.serving.base import MIN_LOGPROB, ServingBase, _check_finish, _Prompt, _Submission, engine_failure
 from tokenloop.serving.errors import api_error, invalid
-from tokenloop.serving.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                        CompletionResponse, now_s, random_id)
+from tokenloop.serving.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    now_s,
+    random_id,
+)
 from tokenloop.serving.sse import DONE_FRAME, EventStreamResponse, frame
-from tokenloop.serving.validation import (check_context, check_context_lower_bound, check_prompt_token_ids,
-                                          check_sampling_fields)
+from tokenloop.serving.validation import (
+    check_context,
+    check_context_lower_bound,
+    check_prompt_token_ids,
+    check_sampling_fields,
+)
 
 # A streamed chunk up to this size is built on the event loop (well under a millisecond); a larger one, off it.
 _ON_LOOP_ENTRIES, _ON_LOOP_CHARS = 64, 65_536

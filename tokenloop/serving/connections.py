@@ -82,7 +82,7 @@ class _RecordingConnection(h11.Connection):
 
     last_error: h11.RemoteProtocolError | None = None
 
-    def next_event(self):  # type: ignore[no-untyped-def] # noqa: ANN201 - h11's own signature
+    def next_event(self):  # type: ignore[no-untyped-def]  # h11's own signature
         try:
             return super().next_event()
         except h11.RemoteProtocolError as exc:

@@ -23,13 +23,13 @@ import zmq
 
 from tokenloop.core import wire
 from tokenloop.core.core_launch import StartedCore, heartbeat_address, socket_addresses, start_core_process
+from tokenloop.core.core_loop import CoreLoop, RecordBuffer
 from tokenloop.core.heartbeat import (
     DEFAULT_HANG_TIMEOUT_S,
     HangWatch,
     check_hang_timeout,
     heartbeat_interval_s,
 )
-from tokenloop.core.core_loop import CoreLoop, RecordBuffer
 from tokenloop.core.messages import CoreFrame, CoreReady, InputMessage, Shutdown
 from tokenloop.core.private_dir import PrivateDir
 from tokenloop.errors import EngineStoppedError, ModelLoadError

@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 from pathlib import Path
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenloop.config import ServerLimits
@@ -117,7 +118,7 @@ class EdgeGuard:
 
         try:
             await self.app(scope, receive, tracking_send)
-        except Exception:  # noqa: BLE001 - the app's handler already answered and logged it, unless not
+        except Exception:  # the app's handler already answered and logged it, unless not
             if not started:
                 incident = new_incident_id()
                 logger.exception("unhandled error while serving %s %s (%s)", scope["method"], scope["path"],

@@ -22,8 +22,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from tokenloop.config import ServerLimits
-from tokenloop.serving.connections import ConnectionTable, connection_budget, guarded_h11, raise_open_file_limit
 from tokenloop.heap import settle_startup_heap
+from tokenloop.serving.connections import ConnectionTable, connection_budget, guarded_h11, raise_open_file_limit
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,7 @@ from pydantic import BaseModel, ConfigDict, model_serializer
 
 from tokenloop.errors import InvalidRequestError
 from tokenloop.structured.spec import StructuredOutputsParams
-from tokenloop.structured.tool_calls import (ToolChoice, forced_call_constraint, parse_output,
-                                             resolve_tool_choice)
+from tokenloop.structured.tool_calls import ToolChoice, forced_call_constraint, parse_output, resolve_tool_choice
 from tokenloop.structured.tool_stream import ContentPiece, StreamEvent, ToolCallStream
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from importlib import resources
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -66,7 +67,7 @@ def make_trace_router(get_tracer: Callable[[], Tracer | None]) -> APIRouter:
         return tracer
 
     @router.get("/v1/trace/{request_id}")
-    def get_trace(request_id: str, format: TraceFormat = Query("chrome")) -> Response:  # noqa: A002 - API name
+    def get_trace(request_id: str, format: TraceFormat = Query("chrome")) -> Response:  # `format`: the API's name
         tracer = tracer_or_error()
         if isinstance(tracer, JSONResponse):
             return tracer
@@ -90,7 +91,7 @@ def make_trace_router(get_tracer: Callable[[], Tracer | None]) -> APIRouter:
     export_lock = threading.Lock()
 
     @router.get("/v1/trace")
-    def get_all_traces(format: Literal["chrome"] = Query("chrome")) -> Response:  # noqa: A002
+    def get_all_traces(format: Literal["chrome"] = Query("chrome")) -> Response:
         tracer = tracer_or_error()
         if isinstance(tracer, JSONResponse):
             return tracer

@@ -143,8 +143,8 @@ def features_of_totals(tokens: int, kv: int, attn: int, sampled: int, seqs: int,
 
 def features_of_schedule(schedule: SchedulerOutput, forms: WeightForms = ONE_FORM) -> StepFeatures:
     """The terms of a step about to run (the simulator prices it before it happens)."""
-    return features_of_chunks(((item.num_computed_tokens, item.num_tokens, item.samples) for item in schedule.scheduled),
-                     forms)
+    chunks = ((item.num_computed_tokens, item.num_tokens, item.samples) for item in schedule.scheduled)
+    return features_of_chunks(chunks, forms)
 
 
 def features_of_record(record: StepRecord, forms: WeightForms = ONE_FORM) -> StepFeatures:

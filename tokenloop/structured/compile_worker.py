@@ -199,7 +199,7 @@ def _probe(matcher: Any, spec: StructuredOutputsParams, eos: set[int], vocab_siz
 
     rng = random.Random(spec.key())
     mask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
-    for step in range(PROBE_TOKENS):
+    for step in range(PROBE_TOKENS):  # noqa: B007 - the message below names the step it stopped at
         if matcher.is_stopped():
             return None
         llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)

@@ -8,8 +8,8 @@ and `RequestMatcher.restore` replays it into a fresh matcher (for a handoff to a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import llguidance
 import numpy as np

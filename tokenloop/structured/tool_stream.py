@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenloop.structured.tool_calls import (CLOSE_TAG, OPEN_TAG, ParsedCall, ToolChoice, _call_from_json,
-                                             parse_output)
+from tokenloop.structured.tool_calls import CLOSE_TAG, OPEN_TAG, ParsedCall, ToolChoice, _call_from_json, parse_output
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,13 @@ import jinja2
 from tokenizers import Tokenizer as RustTokenizer
 
 from tokenloop.errors import InvalidRequestError
-from tokenloop.tokenizer.chat_template import (compile_template, mask_special_text, normalize_messages,
-                                               select_template, strings_in)
+from tokenloop.tokenizer.chat_template import (
+    compile_template,
+    mask_special_text,
+    normalize_messages,
+    select_template,
+    strings_in,
+)
 from tokenloop.tokenizer.gguf import gguf_tokenizer_parts
 from tokenloop.tokenizer.pretrained import pretrained_tokenizer_parts
 
