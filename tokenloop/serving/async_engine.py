@@ -22,12 +22,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tokenloop.core.heartbeat import DEFAULT_HANG_TIMEOUT_S
@@ -41,6 +39,8 @@ from tokenloop.serving.core_client import (
     CoreProcessClient,
     InProcessCoreClient,
 )
+from tokenloop.serving.front_commands import Abort, Call, Command, CommandQueue, Stop, Submit, Utility
+from tokenloop.serving.front_loop import FrontLoop
 from tokenloop.serving.streams import EngineCounts, RequestSpec, RequestStream
 
 if TYPE_CHECKING:
@@ -55,54 +55,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-# ---- commands from the event loop to the engine thread ------------------------------------------------
-
-@dataclass
-class _Submit:
-    specs: list[RequestSpec]
-    stream: RequestStream
-    done: concurrent.futures.Future[None]
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclass
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    done: concurrent.futures.Future[Any]
-
-
-@dataclass
-class _Utility:
-    name: str
-    args: list[Any]
-    done: concurrent.futures.Future[Any]
-
-
-@dataclass
-class _Stop:
-    pass
-
-
-_Command = _Submit | _Abort | _Call | _Utility | _Stop
-
-
-@dataclass
-class _Live:
-    """Engine-thread state of one accepted request."""
-
-    spec: RequestSpec
-    stream: RequestStream
-    first_output_seen: bool = False
-
-
-class _CoreDied(Exception):
-    pass
 
 
 class AsyncEngine:
@@ -137,24 +89,14 @@ class AsyncEngine:
         self.clock = default_clock
         self._name = name
         self._max_stream_backlog = max_stream_backlog
-        self.crashed = False  # the engine thread or the core died: the process should exit non-zero
-        self.death: str | None = None  # why, when the core died
-        self._lock = threading.Lock()
-        self._commands: list[_Command] = []  # guarded by _lock
-        self._closed = False  # guarded by _lock: set once the engine thread has exited
-        self._wake_read, self._wake_write = os.pipe()
-        os.set_blocking(self._wake_read, False)
-        os.set_blocking(self._wake_write, False)
+        self._commands = CommandQueue()
+        # The engine thread's loop owns what only that thread writes (live requests, counts, the death).
+        self._loop = FrontLoop(self.client, self.outputs, self._commands, engine=engine, tokenizer=self.tokenizer,
+                               clock=lambda: self.clock(), metrics=metrics, observers=self.observers)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._accepting = True
         self._stopped = threading.Event()
-        self._live: dict[str, _Live] = {}  # owned by the engine thread; others only read its length
-        self._waiting: dict[int, _Submit | _Utility] = {}  # calls sent to the core, by call id
-        self._next_call_id = 0
-        self._counts = EngineCounts()
-        self._counts_lock = threading.Lock()
-        self.num_wakeups = 0  # engine-thread loop iterations: stays put while idle (no spinning)
 
     @classmethod
     def with_core_process(cls, config: EngineConfig, metrics: EngineMetrics | None = None, *,
@@ -224,18 +166,31 @@ class AsyncEngine:
 
     @property
     def accepting(self) -> bool:
-        return self._accepting and not self._stopped.is_set()
+        return self._accepting and not self._loop.crashed and not self._stopped.is_set()
+
+    @property
+    def crashed(self) -> bool:
+        """The engine thread or the core died: the process should exit non-zero."""
+        return self._loop.crashed
+
+    @property
+    def death(self) -> str | None:
+        """Why the core died, when it did."""
+        return self._loop.death
+
+    @property
+    def num_wakeups(self) -> int:
+        """Engine-thread loop iterations: stays put while idle (no spinning)."""
+        return self._loop.num_wakeups
 
     @property
     def num_live_requests(self) -> int:
         """Accepted requests that have not ended yet (a racy read, good enough for polling)."""
-        return len(self._live)
+        return len(self._loop.live)
 
     def counts(self) -> EngineCounts:
         """A copy of the lifetime request counts."""
-        with self._counts_lock:
-            c = self._counts
-            return EngineCounts(c.accepted, c.rejected, dict(c.finished), c.step_failures)
+        return self._loop.counts()
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, let in-flight requests finish for up to `timeout_s`, abort the rest, join.
@@ -247,11 +202,11 @@ class AsyncEngine:
             return
         self._accepting = False
         deadline = time.monotonic() + timeout_s
-        while self.is_running and self._live and time.monotonic() < deadline:
+        while self.is_running and self._loop.live and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
-        if self._live:
-            logger.warning("shutdown: aborting %d unfinished request(s)", len(self._live))
-        self._send(_Stop())
+        if self._loop.live:
+            logger.warning("shutdown: aborting %d unfinished request(s)", len(self._loop.live))
+        self._send(Stop())
         thread = self._thread
         if thread is not None:
             await asyncio.to_thread(thread.join, max(1.0, deadline - time.monotonic() + 1.0))
@@ -261,7 +216,7 @@ class AsyncEngine:
     def close(self, timeout_s: float = 5.0) -> None:
         """Synchronous `shutdown` without the grace period: abort everything, join the thread."""
         self._accepting = False
-        self._send(_Stop())
+        self._send(Stop())
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._stopped.set()
@@ -283,7 +238,7 @@ class AsyncEngine:
         stream = RequestStream(self, [s.request_id for s in specs], asyncio.get_running_loop(),
                                self._max_stream_backlog)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._send(_Submit(list(specs), stream, done))
+        self._send(Submit(list(specs), stream, done))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -310,7 +265,7 @@ class AsyncEngine:
         """Abort requests (thread-safe, idempotent); applied before the engine's next step."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         if ids:
-            self._send(_Abort(ids))
+            self._send(Abort(ids))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps (in-process core only; across the process
@@ -320,7 +275,7 @@ class AsyncEngine:
             return fn(self.engine)  # type: ignore[arg-type] - no thread left to race with
         self.start()
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._send(_Call(fn, done))
+        self._send(Call(fn, done))
         return await asyncio.wrap_future(done)
 
     def call_blocking(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
@@ -330,21 +285,21 @@ class AsyncEngine:
             return fn(self.engine)  # type: ignore[arg-type]
         self.start()
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._send(_Call(fn, done))
+        self._send(Call(fn, done))
         return done.result(timeout_s)
 
     async def utility(self, name: str, *args: Any) -> Any:
         """Run one of the core's named utilities (`tokenloop.core.core_loop.UTILITIES`) between steps."""
         self.start()
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._send(_Utility(name, list(args), done))
+        self._send(Utility(name, list(args), done))
         return await asyncio.wrap_future(done)
 
     def utility_blocking(self, name: str, *args: Any, timeout_s: float = 30.0) -> Any:
         """`utility` for synchronous code on another thread; never from the event loop."""
         self.start()
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._send(_Utility(name, list(args), done))
+        self._send(Utility(name, list(args), done))
         return done.result(timeout_s)
 
     def _needs_engine(self) -> None:
@@ -352,42 +307,14 @@ class AsyncEngine:
             raise TypeError("call(fn) needs the in-process engine; the core runs in its own process: "
                             "use utility(name, ...)")
 
-    def _send(self, command: _Command) -> None:
-        with self._lock:
-            if self._closed:  # the engine thread is gone: nobody would ever answer
-                _refuse(command)
-                return
-            self._commands.append(command)
-        try:
-            os.write(self._wake_write, b"\0")
-        except BlockingIOError:
-            pass  # the pipe is full of wakeups already
+    def _send(self, command: Command) -> None:
+        self._commands.send(command)
 
     # ---- the engine thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        from tokenloop.serving.front_loop import FrontLoop
-
-        FrontLoop(self).run()
-
-    def _count_finished(self, reason: str) -> None:
-        with self._counts_lock:
-            self._counts.finished[reason] = self._counts.finished.get(reason, 0) + 1
-
-    def _drain_after_stop(self) -> None:
-        """Refuse commands that arrived after the stop, and calls the core never answered (it died or
-        hung first: the reason says so), so no submitter waits forever."""
-        with self._lock:
-            commands, self._commands = self._commands, []
-            self._closed = True
-        why = f"{self.death}; the server is restarting" if self.death else "the engine has stopped"
-        for command in [*commands, *self._waiting.values()]:
-            _refuse(command, why)
-        self._waiting.clear()
-
-
-def _refuse(command: Any, why: str = "the engine has stopped") -> None:
-    done = getattr(command, "done", None)
-    # A call sent to the core is running already (the engine thread took it); a new one may be cancelled.
-    if done is not None and not done.done() and (done.running() or done.set_running_or_notify_cancel()):
-        done.set_exception(EngineStoppedError(why))
+        try:
+            self._loop.run()
+        finally:
+            self._stopped.set()
+            self._loop.refuse_the_rest()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -26,8 +28,11 @@ from tokenloop.core.messages import (
 )
 from tokenloop.core.wire import UnsendableMessages, error_from_wire, error_to_wire
 from tokenloop.errors import InvalidRequestError, RequestFailedError
-from tokenloop.outputs import RequestOutput
+from tokenloop.outputs import OutputProcessor, RequestOutput
+from tokenloop.serving.core_client import CoreClient
+from tokenloop.serving.front_commands import Abort, Call, CommandQueue, Stop, Submit, Utility, refuse
 from tokenloop.serving.streams import (
+    EngineCounts,
     RequestSpec,
     RequestStream,
     aborted_output,
@@ -36,48 +41,77 @@ from tokenloop.serving.streams import (
 )
 
 if TYPE_CHECKING:
-    from tokenloop.serving.async_engine import AsyncEngine, _Submit
+    from tokenloop.engine import LLMEngine
+    from tokenloop.observe.metrics import EngineMetrics
+    from tokenloop.observe.records import ObserverSet
+    from tokenloop.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 Delivery = tuple[RequestStream, RequestOutput | BaseException]
 
 
-class FrontLoop:
-    """The body of `AsyncEngine`'s engine thread (it reads and writes that engine's thread-owned state)."""
+@dataclass
+class LiveRequest:
+    """Engine-thread state of one accepted request."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.e = engine
-        self.client = engine.client
-        self.outputs = engine.outputs
+    spec: RequestSpec
+    stream: RequestStream
+    first_output_seen: bool = False
+
+
+class CoreDied(Exception):
+    """The engine core is gone (dead, or hung and killed): the loop fails everyone and ends."""
+
+
+class FrontLoop:
+    """The body of `AsyncEngine`'s engine thread and the state only that thread writes: the live requests,
+    the calls waiting for the core's answer, the lifetime counts, and whether (and why) the core died."""
+
+    def __init__(self, client: CoreClient, outputs: OutputProcessor, commands: CommandQueue, *,
+                 engine: LLMEngine | None, tokenizer: Tokenizer, clock: Callable[[], int],
+                 metrics: EngineMetrics | None, observers: ObserverSet) -> None:
+        self.client, self.outputs, self.commands = client, outputs, commands
+        self.engine, self.tokenizer, self.clock = engine, tokenizer, clock
+        self.metrics, self.observers = metrics, observers
+        self.max_model_len = client.info.max_model_len
+        self.live: dict[str, LiveRequest] = {}  # others only read its length
+        self.crashed = False  # the engine thread or the core died: the process should exit non-zero
+        self.death: str | None = None  # why, when the core died
+        self.num_wakeups = 0  # loop iterations: stays put while idle (no spinning)
+        self._waiting: dict[int, Submit | Utility] = {}  # calls sent to the core, by call id
+        self._next_call_id = 0
+        self._counts = EngineCounts()
+        self._counts_lock = threading.Lock()
         self._messages: list[InputMessage] = []  # for the core, sent once per turn
 
-    def run(self) -> None:
-        from tokenloop.serving import async_engine as ae
+    def counts(self) -> EngineCounts:
+        """A copy of the lifetime request counts (any thread)."""
+        with self._counts_lock:
+            c = self._counts
+            return EngineCounts(c.accepted, c.rejected, dict(c.finished), c.step_failures)
 
-        e, client = self.e, self.client
+    def run(self) -> None:
+        """Turns until a Stop command or the core's death; the caller then calls `refuse_the_rest`."""
+        client, commands = self.client, self.commands
         poller = zmq.Poller()
-        poller.register(e._wake_read, zmq.POLLIN)
+        poller.register(commands.wake_fd, zmq.POLLIN)
         registered = list(client.pollables())
         for pollable in registered:
             poller.register(pollable, zmq.POLLIN)
         try:
             while True:
                 registered = _reregister(poller, registered, client.pollables())
-                with e._lock:
-                    idle = not e._commands
-                if idle:
+                if commands.is_empty():
                     poller.poll(client.poll_timeout_ms())
-                self._drain_wakeups()
-                with e._lock:
-                    commands, e._commands = e._commands, []
-                e.num_wakeups += 1
+                commands.drain_wakeups()
+                taken = commands.take()
+                self.num_wakeups += 1
                 stop = False
-                for index, command in enumerate(commands):
-                    if isinstance(command, ae._Stop):
-                        self._abort(list(e._live), notify=True)
-                        with e._lock:
-                            e._commands[:0] = commands[index + 1:]
+                for index, command in enumerate(taken):
+                    if isinstance(command, Stop):
+                        self._abort(list(self.live), notify=True)
+                        commands.put_back(taken[index + 1:])
                         stop = True
                         break
                     self._apply(command)
@@ -87,31 +121,31 @@ class FrontLoop:
                 self._receive()
                 why = client.death()
                 if why is not None:
-                    raise ae._CoreDied(why)
-        except ae._CoreDied as died:
-            logger.critical("%s; failing %d in-flight request(s)", died, len(e._live))
+                    raise CoreDied(why)
+        except CoreDied as died:
+            logger.critical("%s; failing %d in-flight request(s)", died, len(self.live))
             self._die(str(died))
         except BaseException:  # a bug in this loop itself: fail everyone rather than hang them
-            logger.critical("the engine thread crashed; failing %d in-flight request(s)", len(e._live),
+            logger.critical("the engine thread crashed; failing %d in-flight request(s)", len(self.live),
                             exc_info=True)
             self._die("the engine stopped unexpectedly")
             raise
-        finally:
-            e._stopped.set()
-            e._drain_after_stop()
+
+    def refuse_the_rest(self) -> None:
+        """Refuse commands that arrived after the stop, and calls the core never answered (it died or
+        hung first: the reason says so), so no submitter waits forever."""
+        why = f"{self.death}; the server is restarting" if self.death else "the engine has stopped"
+        for command in [*self.commands.close(), *self._waiting.values()]:
+            refuse(command, why)
+        self._waiting.clear()
 
     def _die(self, why: str) -> None:
-        e = self.e
-        e._accepting = False
-        e.crashed, e.death = True, why
+        self.crashed, self.death = True, why
         self._fail_all(RequestFailedError(f"{why}; the server is restarting"), tell_core=False)
 
-    def _drain_wakeups(self) -> None:
-        try:
-            while os.read(self.e._wake_read, 4096):
-                pass
-        except BlockingIOError:
-            pass
+    def _count_finished(self, reason: str) -> None:
+        with self._counts_lock:
+            self._counts.finished[reason] = self._counts.finished.get(reason, 0) + 1
 
     def _flush(self) -> None:
         if self._messages:
@@ -131,36 +165,32 @@ class FrontLoop:
         self._answer(CallResult(call_id, None, error_to_wire(InvalidRequestError(why))))
 
     def _call_id(self) -> int:
-        e = self.e
-        e._next_call_id += 1
-        return e._next_call_id
+        self._next_call_id += 1
+        return self._next_call_id
 
     # ---- commands ----------------------------------------------------------------------------------
 
-    def _apply(self, command: Any) -> None:
-        from tokenloop.serving import async_engine as ae
-
-        e = self.e
-        if isinstance(command, ae._Submit):
+    def _apply(self, command: Submit | Abort | Call | Utility) -> None:
+        if isinstance(command, Submit):
             self._submit(command)
-        elif isinstance(command, ae._Abort):
+        elif isinstance(command, Abort):
             self._abort(command.request_ids, notify=False)
-        elif isinstance(command, ae._Call):
+        elif isinstance(command, Call):
             if command.done.set_running_or_notify_cancel():
                 self._flush()  # the call sees every message sent before it
                 try:
-                    command.done.set_result(command.fn(e.engine))
+                    command.done.set_result(command.fn(self.engine))  # type: ignore[arg-type] - checked on send
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     command.done.set_exception(exc)
-        elif isinstance(command, ae._Utility) and command.done.set_running_or_notify_cancel():
+        elif isinstance(command, Utility) and command.done.set_running_or_notify_cancel():
             call_id = self._call_id()
-            e._waiting[call_id] = command
+            self._waiting[call_id] = command
             self._messages.append(UtilityCall(call_id, command.name, command.args))
 
-    def _submit(self, command: _Submit) -> None:
+    def _submit(self, command: Submit) -> None:
         if not command.done.set_running_or_notify_cancel():
             return  # the submitter went away before we got to it
-        e, outputs = self.e, self.outputs
+        outputs = self.outputs
         core_requests = []
         added: list[str] = []
         try:
@@ -170,42 +200,38 @@ class FrontLoop:
         except BaseException as exc:  # noqa: BLE001 - handed to the submitter
             for request_id in added:
                 outputs.forget(request_id)  # all or none
-            with e._counts_lock:
-                e._counts.rejected += 1
+            with self._counts_lock:
+                self._counts.rejected += 1
             command.done.set_exception(exc)
             return
         for spec in command.specs:  # live now: the answer and the first outputs come in the same frame
-            e._live[spec.request_id] = ae_live(spec, command.stream)
+            self.live[spec.request_id] = LiveRequest(spec, command.stream)
         call_id = self._call_id()
-        e._waiting[call_id] = command
+        self._waiting[call_id] = command
         self._messages.append(AddRequests(call_id, core_requests))
 
     def _prepare(self, spec: RequestSpec) -> list[Any]:
         """A request's front-end state (one detokenizer per sample); its core requests."""
-        e = self.e
         if spec.prompt_token_ids is not None:
             ids = list(spec.prompt_token_ids)
         elif isinstance(spec.prompt, str):
-            ids = e.tokenizer.encode(spec.prompt)
+            ids = self.tokenizer.encode(spec.prompt)
         elif spec.prompt is not None:
             ids = list(spec.prompt)
         else:
             raise InvalidRequestError("a prompt (text or token ids) is required", param="prompt")
         params = spec.params
         if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=max(1, e.max_model_len - len(ids)))
+            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
         text = spec.prompt if isinstance(spec.prompt, str) else None
-        return self.outputs.add(spec.request_id, text, ids, params, e.clock(), priority=spec.priority,
+        return self.outputs.add(spec.request_id, text, ids, params, self.clock(), priority=spec.priority,
                                 user=spec.user, cache_salt=spec.cache_salt)
 
     def _answer(self, result: CallResult) -> None:
-        from tokenloop.serving import async_engine as ae
-
-        e = self.e
-        waiting = e._waiting.pop(result.call_id, None)
+        waiting = self._waiting.pop(result.call_id, None)
         if waiting is None:
             return
-        if isinstance(waiting, ae._Utility):
+        if isinstance(waiting, Utility):
             if result.error is not None:
                 waiting.done.set_exception(error_from_wire(result.error))
             else:
@@ -213,30 +239,29 @@ class FrontLoop:
             return
         if result.error is not None:  # refused, all of it: the submitter raises the core's error
             for spec in waiting.specs:
-                e._live.pop(spec.request_id, None)
+                self.live.pop(spec.request_id, None)
                 self.outputs.forget(spec.request_id)
-            with e._counts_lock:
-                e._counts.rejected += 1
+            with self._counts_lock:
+                self._counts.rejected += 1
             waiting.done.set_exception(error_from_wire(result.error))
             return
-        with e._counts_lock:
-            e._counts.accepted += len(waiting.specs)
+        with self._counts_lock:
+            self._counts.accepted += len(waiting.specs)
         waiting.done.set_result(None)
 
     def _abort(self, request_ids: list[str], *, notify: bool) -> None:
         """Abort live requests; with `notify`, their streams get a final 'abort' output."""
-        e = self.e
-        ids = [rid for rid in request_ids if rid in e._live]
+        ids = [rid for rid in request_ids if rid in self.live]
         if not ids:
             return
         core_ids = [cid for rid in ids for cid in self.outputs.core_ids(rid)]
         deliveries: list[Delivery] = []
         for rid in ids:
             self.outputs.forget(rid)  # the core's finals for them find nobody: nothing more is sent
-            live = e._live.pop(rid)
-            e._count_finished("abort")
-            if e.metrics is not None:
-                e.metrics.observe_aborted()
+            live = self.live.pop(rid)
+            self._count_finished("abort")
+            if self.metrics is not None:
+                self.metrics.observe_aborted()
             if notify:
                 deliveries.append((live.stream, aborted_output(live.spec)))
         if core_ids:
@@ -244,16 +269,15 @@ class FrontLoop:
         self._deliver(deliveries)
 
     def _fail_all(self, error: BaseException, *, tell_core: bool = True) -> None:
-        e = self.e
-        ids = list(e._live)
+        ids = list(self.live)
         core_ids = [cid for rid in ids for cid in self.outputs.core_ids(rid)]
         deliveries: list[Delivery] = []
         for rid in ids:
             self.outputs.forget(rid)
-            live = e._live.pop(rid)
-            e._count_finished("error")
-            if e.metrics is not None:
-                e.metrics.observe_finished("error", None)
+            live = self.live.pop(rid)
+            self._count_finished("error")
+            if self.metrics is not None:
+                self.metrics.observe_finished("error", None)
             deliveries.append((live.stream, error))
         if tell_core and core_ids:
             self._messages.append(FinishRequests(core_ids, "abort"))
@@ -263,15 +287,14 @@ class FrontLoop:
     # ---- frames from the core ----------------------------------------------------------------------
 
     def _receive(self) -> None:
-        e = self.e
         try:
             frames = self.client.receive()
         except Exception:
             if self.client.death() is not None:
                 raise
-            logger.exception("engine step failed; failing the %d in-flight request(s)", len(e._live))
-            with e._counts_lock:
-                e._counts.step_failures += 1
+            logger.exception("engine step failed; failing the %d in-flight request(s)", len(self.live))
+            with self._counts_lock:
+                self._counts.step_failures += 1
             # The text names no request's data: it reaches every client in flight.
             self._fail_all(RequestFailedError("the engine step failed; see the server log"))
             return
@@ -280,13 +303,12 @@ class FrontLoop:
         self._flush()  # stop-string finishes: the core stops computing them before its next step
 
     def _on_frame(self, frame: CoreFrame) -> None:
-        e = self.e
         for result in frame.results:  # first: a request is live before its first output is delivered
             self._answer(result)
         core = frame.outputs
         if core is None:
             return
-        observers = e.observers
+        observers = self.observers
         if observers:
             for arrival in core.arrivals:
                 observers.arrival(arrival)
@@ -301,9 +323,9 @@ class FrontLoop:
         if processed.failed:
             self._messages.append(FinishRequests(processed.failed, "error"))
         deliveries: list[Delivery] = []
-        metrics = e.metrics
+        metrics = self.metrics
         for output in processed.outputs:
-            live = e._live.get(output.request_id)
+            live = self.live.get(output.request_id)
             if live is None:
                 continue  # aborted meanwhile: nobody listens
             if not live.first_output_seen and any(c.token_ids_delta for c in output.outputs):
@@ -311,9 +333,9 @@ class FrontLoop:
                 if metrics is not None:
                     metrics.observe_first_output(len(output.prompt_token_ids))
             if output.finished:
-                del e._live[output.request_id]
+                del self.live[output.request_id]
                 reason = request_finish_reason(output)
-                e._count_finished(reason)
+                self._count_finished(reason)
                 if metrics is not None:
                     metrics.observe_finished(reason, output.metrics)
             deliveries.append((live.stream, output))
@@ -321,7 +343,6 @@ class FrontLoop:
 
     def _deliver(self, deliveries: list[Delivery]) -> None:
         """Hand outputs to their loops: one callback per loop per step, not one per token."""
-        e = self.e
         by_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
         for stream, item in deliveries:
             by_loop.setdefault(stream.loop, []).append((stream, item))
@@ -329,7 +350,7 @@ class FrontLoop:
             try:
                 loop.call_soon_threadsafe(dispatch, items)
             except RuntimeError:  # that loop is closed: its requests have no reader left
-                ids = [rid for stream, _ in items for rid in stream.request_ids if rid in e._live]
+                ids = [rid for stream, _ in items for rid in stream.request_ids if rid in self.live]
                 self._abort(ids, notify=False)
 
 
@@ -347,9 +368,3 @@ def _reregister(poller: zmq.Poller, registered: list[Any], now: list[Any]) -> li
         if pollable not in registered:
             poller.register(pollable, zmq.POLLIN)
     return list(now)
-
-
-def ae_live(spec: RequestSpec, stream: RequestStream) -> Any:
-    from tokenloop.serving.async_engine import _Live
-
-    return _Live(spec, stream)
