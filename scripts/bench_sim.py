@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from tokenloop.bench.trace import TraceConfig, make_trace
-from tokenloop.cli.simulate import simulate_trace
+from tokenloop.cli.simulate_runs import simulate_trace
 from tokenloop.sim.profiles import load_profile
 
 

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from tokenloop.bench.trace import load_trace
-    from tokenloop.cli.simulate import simulate_trace
+    from tokenloop.cli.simulate_runs import simulate_trace
     from tokenloop.sim.profiles import load_profile
 
     profile = load_profile(args.profile)

@@ -78,7 +78,7 @@ def record(args: argparse.Namespace) -> int:
     sweep_periods: list[float] = []
     forms = None
     if args.sweep:  # the calibration sweep right after, in this process: the same machine state to compare
-        from tokenloop.cli.simulate import Sweep, calibration_records, weight_forms
+        from tokenloop.cli.simulate_calibrate import Sweep, calibration_records, weight_forms
 
         sweep = Sweep() if args.sweep == "mixed" else Sweep(mixed_batches=(), mixed_prompts=())
         sweep_steps, sweep_periods, engine = calibration_records(
@@ -205,7 +205,7 @@ def analyze(args: argparse.Namespace) -> int:
 
 def sweep(args: argparse.Namespace) -> int:
     """The mixed calibration sweep alone (the old batch x context part first), pickled for `crossfit`."""
-    from tokenloop.cli.simulate import Sweep, calibration_records, weight_forms
+    from tokenloop.cli.simulate_calibrate import Sweep, calibration_records, weight_forms
     from tokenloop.model.loader import DEFAULT_MODEL
 
     began = time.perf_counter()
@@ -305,7 +305,7 @@ def resim(args: argparse.Namespace) -> int:
 
 
 def _cached_model() -> Any:
-    from tokenloop.cli.simulate import calibrated_profile
+    from tokenloop.cli.simulate_calibrate import calibrated_profile
 
     return calibrated_profile(None).cost_model
 

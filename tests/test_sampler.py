@@ -223,9 +223,9 @@ def test_staged_candidates_give_the_same_thresholds_as_a_full_sort(monkeypatch: 
     x[1, :10] = x[1].max()  # ties at the top
     top_k = [0, 20, 0, 3000, 0, 5000, 300, 0]
     top_p = [0.9, 0.95, 0.9, 0.8, 0.99, 1.0, 1.0, 0.5]
-    staged = sampler_module._top_k_top_p_thresholds(x, top_k, top_p)
+    staged = sampling_ops.top_k_top_p_thresholds(x, top_k, top_p)
     monkeypatch.setattr(sampling_ops, "_CANDIDATE_STAGES", ())  # the kernels' module
-    full = sampler_module._top_k_top_p_thresholds(x, top_k, top_p)
+    full = sampling_ops.top_k_top_p_thresholds(x, top_k, top_p)
     assert torch.equal(staged, full)
     for row, k in enumerate(top_k):
         if k and top_p[row] == 1.0:
@@ -396,11 +396,11 @@ def test_inverse_cdf_edges_never_pick_zero_probability_tokens() -> None:
     positive = {3, 300, 301, 999}
     one_below = 1.0 - 2.0 ** -53
     for u in (0.0, 1e-31, 0.3, 0.6666, 0.9999999, one_below):
-        tokens, drawable = sampler_module._inverse_cdf(probs, torch.tensor([u], dtype=torch.float64))
+        tokens, drawable = sampling_ops.inverse_cdf(probs, torch.tensor([u], dtype=torch.float64))
         assert bool(drawable[0]) and int(tokens[0]) in positive, u
-    tokens, _ = sampler_module._inverse_cdf(probs, torch.tensor([one_below], dtype=torch.float64))
+    tokens, _ = sampling_ops.inverse_cdf(probs, torch.tensor([one_below], dtype=torch.float64))
     assert int(tokens[0]) == 999
-    _, drawable = sampler_module._inverse_cdf(torch.zeros(2, 10), torch.zeros(2, dtype=torch.float64))
+    _, drawable = sampling_ops.inverse_cdf(torch.zeros(2, 10), torch.zeros(2, dtype=torch.float64))
     assert not bool(drawable.any())
 
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # torch is imported where a generator is made: sampling param
     # description, travel to processes (the server's front end) that never import torch otherwise
     import torch
 
-    from tokenloop.core.speculative import NgramIndex
+    from tokenloop.core.ngram import NgramIndex
     from tokenloop.structured.matcher import RequestMatcher
 
 Clock = Callable[[], int]

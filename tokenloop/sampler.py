@@ -29,11 +29,7 @@ import torch
 from tokenloop.errors import InvalidRequestError
 from tokenloop.logprobs import TokenLogprobs
 from tokenloop.request import GREEDY_TEMPERATURE, Request, SamplingParams
-from tokenloop.sampling_ops import (
-    _apply_penalties,
-    _inverse_cdf,
-    _top_k_top_p_thresholds,
-)
+from tokenloop.sampling_ops import PenaltyHistory, apply_penalties, inverse_cdf, top_k_top_p_thresholds
 
 if TYPE_CHECKING:
     from tokenloop.structured.matcher import BitmaskApplier, RequestMatcher
@@ -135,24 +131,6 @@ class SamplingBatch:
     @property
     def wants_logprobs(self) -> bool:
         return any(n is not None for n in self.num_logprobs)
-
-
-@dataclass
-class PenaltyHistory:
-    """The penalised rows' parameters and token histories (references to the requests' own lists)."""
-
-    repetition: list[float]
-    frequency: list[float]
-    presence: list[float]
-    prompt_token_ids: list[list[int]]
-    output_token_ids: list[list[int]]
-
-    @classmethod
-    def of(cls, requests: Sequence[Request]) -> PenaltyHistory:
-        params = [r.sampling_params for r in requests]
-        return cls([p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
-                   [p.presence_penalty for p in params], [r.prompt_token_ids for r in requests],
-                   [r.output_token_ids for r in requests])
 
 
 class Sampler:
@@ -280,11 +258,11 @@ class Sampler:
             if x is logits:
                 x = x.clone()
             if len(batch.penalty_rows) == batch.num_rows:
-                _apply_penalties(x, batch.penalties)
+                apply_penalties(x, batch.penalties)
             else:
                 rows = torch.tensor(batch.penalty_rows, device=device)
                 sub = x[rows]
-                _apply_penalties(sub, batch.penalties)
+                apply_penalties(sub, batch.penalties)
                 x[rows] = sub
         return x
 
@@ -303,12 +281,12 @@ class Sampler:
         kp_rows = [i for i in range(len(top_k)) if top_k[i] or top_p[i] < 1.0]
         if kp_rows:
             if len(kp_rows) == len(top_k):
-                thresholds = _top_k_top_p_thresholds(x, top_k, top_p)
+                thresholds = top_k_top_p_thresholds(x, top_k, top_p)
                 x = x.masked_fill(x < thresholds.unsqueeze(1), _NEG_INF)
             else:
                 rows = torch.tensor(kp_rows, device=x.device)
                 sub = x[rows]
-                thresholds = _top_k_top_p_thresholds(sub, [top_k[i] for i in kp_rows],
+                thresholds = top_k_top_p_thresholds(sub, [top_k[i] for i in kp_rows],
                                                      [top_p[i] for i in kp_rows])
                 x = x.clone()
                 x[rows] = sub.masked_fill_(sub < thresholds.unsqueeze(1), _NEG_INF)
@@ -348,7 +326,7 @@ class Sampler:
             for i, g in enumerate(generators):
                 if g is not None:
                     u[i] = torch.rand(1, generator=g, dtype=torch.float64)
-        tokens, drawable = _inverse_cdf(torch.softmax(x, dim=1), u.to(x.device))
+        tokens, drawable = inverse_cdf(torch.softmax(x, dim=1), u.to(x.device))
         # Every token masked (or NaN logits): fall back to the argmax. Off the CPU always, not to read a flag.
         if x.device.type != "cpu" or not bool(drawable.all()):
             tokens = torch.where(drawable, tokens, x.argmax(dim=1))

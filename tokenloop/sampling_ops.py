@@ -7,12 +7,13 @@ which rows go through which.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
-    from tokenloop.sampler import PenaltyHistory
+    from tokenloop.request import Request
 
 # Top-k/top-p look at this many best tokens per row first; only rows they do not settle get a full sort.
 _CANDIDATE_STAGES = (64, 1024, 8192)
@@ -21,7 +22,7 @@ _DRAW_BLOCK = 256
 _NEG_INF = float("-inf")
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row i's token t with chance probs[i, t] / sum(probs[i]), given a uniform u[i] in [0, 1) (float64).
 
     Also returns which rows had any mass to draw from (the others' tokens are meaningless).
@@ -49,7 +50,25 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, to
     return tokens, total.squeeze(1) > 0
 
 
-def _apply_penalties(x: torch.Tensor, history: PenaltyHistory) -> None:
+@dataclass
+class PenaltyHistory:
+    """The penalised rows' parameters and token histories (references to the requests' own lists)."""
+
+    repetition: list[float]
+    frequency: list[float]
+    presence: list[float]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+
+    @classmethod
+    def of(cls, requests: Sequence[Request]) -> PenaltyHistory:
+        params = [r.sampling_params for r in requests]
+        return cls([p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                   [p.presence_penalty for p in params], [r.prompt_token_ids for r in requests],
+                   [r.output_token_ids for r in requests])
+
+
+def apply_penalties(x: torch.Tensor, history: PenaltyHistory) -> None:
     """Repetition (prompt + output), frequency and presence (output only) penalties, in place.
 
     Only the (row, token) cells that occurred are touched: unique flat keys row * V + token with their
@@ -84,7 +103,7 @@ def _flat_keys(sequences: Sequence[Sequence[int]], vocab_size: int) -> torch.Ten
     return rows * vocab_size + ids
 
 
-def _top_k_top_p_thresholds(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def top_k_top_p_thresholds(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """The smallest logit each row keeps under top-k then top-p (0 / 1.0: off); ties of it are kept too."""
     n = x.shape[0]
     device = x.device

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from tokenloop.cli.options import _engine_options, add_engine_args
 from tokenloop.config import SchedulerConfig, SpeculativeConfig
 from tokenloop.core.kv_cache import KVCacheManager
+from tokenloop.core.ngram import NgramIndex
 from tokenloop.core.scheduler import Scheduler
 from tokenloop.core.speculative import (
-    NgramIndex,
     NgramProposer,
     accept_greedy,
     can_speculate,

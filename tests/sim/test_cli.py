@@ -88,7 +88,7 @@ def test_calibrate_fits_a_profile_that_simulate_then_runs(tmp_path: Path, tiny_m
 
 
 def test_the_mixed_sweep_runs_chunks_next_to_decodes_and_every_decode_batch_size(tiny_model_dir: Path) -> None:
-    from tokenloop.cli.simulate import calibration_records
+    from tokenloop.cli.simulate_calibrate import calibration_records
 
     records, periods, _ = calibration_records(str(tiny_model_dir), [1], [8], 2, mixed_batches=[3, 9],
                                               mixed_prompts=[4, 40])
@@ -110,7 +110,7 @@ def test_the_mixed_sweep_runs_chunks_next_to_decodes_and_every_decode_batch_size
 def test_weight_forms_are_read_off_the_loaded_model(tiny_model_dir: Path) -> None:
     from types import SimpleNamespace
 
-    from tokenloop.cli.simulate import weight_forms
+    from tokenloop.cli.simulate_calibrate import weight_forms
     from tokenloop.sim.cost import WeightForms
 
     head = SimpleNamespace(weight=SimpleNamespace(form_for=lambda rows: "q8_0" if rows <= 8 else "float32"))
@@ -132,7 +132,7 @@ def test_calibrate_without_the_mixed_sweep_and_bad_mixed_lists(tmp_path: Path, t
 def test_calibration_keeps_the_fit_of_the_median_level_pass() -> None:
     from types import SimpleNamespace
 
-    from tokenloop.cli.simulate import median_level_pass
+    from tokenloop.cli.simulate_calibrate import median_level_pass
     from tokenloop.sim.cost import FitReport, StepCostModel
 
     def report(step_s: float) -> FitReport:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenloop.cli.simulate import _profile_options, _run_costs
+from tokenloop.cli.simulate_runs import profile_options, run_costs
 
 
 def parse_routers(text: str) -> tuple[str, ...]:
@@ -40,7 +40,7 @@ def simulate_cluster(trace: Sequence[Any], profile: Any, policies: Sequence[str]
     from tokenloop.bench.report import summarize_run
     from tokenloop.llm import build_engine_config
 
-    options, vocab_size = _profile_options(profile, options, trace)
+    options, vocab_size = profile_options(profile, options, trace)
     labels = [r if len(policies) == 1 else f"{p}/{r}" for p in policies for r in routers]
     config = PolicyBenchConfig(policies=tuple(labels), model=profile.model,
                                engine_options={**options, "replicas": num_replicas}, clock=SIMULATED_CLOCK,
@@ -113,7 +113,7 @@ def _replay(trace: Sequence[Any], profile: Any, engine_config: Any, router_name:
                          "modelled_busy_s": r.modelled_busy_s} for r in replicas],
         "route": {rid: [d.replica, d.cached_tokens, d.predicted_ttft_s] for rid, d in decisions.items()},
         "ttft_prediction_mae_ms": _prediction_error_ms(records, predicted),
-        **_run_costs([engine.runner for engine in cluster.engines], profile,
+        **run_costs([engine.runner for engine in cluster.engines], profile,
                      sum(r.output_len for r in records)),
     }
     if energy is not None:

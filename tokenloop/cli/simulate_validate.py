@@ -203,7 +203,7 @@ def _real_runner(config: ValidateConfig) -> tuple[Callable[[Sequence[Any], float
 
 
 def _simulated_run(trace: Sequence[Any], profile: Any, config: ValidateConfig, time_scale: float) -> Any:
-    from tokenloop.cli.simulate import simulate_trace
+    from tokenloop.cli.simulate_runs import simulate_trace
 
     result, _ = simulate_trace(trace, profile, ["fcfs"], dict(config.engine_options), time_scale=time_scale)
     return result.runs[0]
@@ -349,7 +349,7 @@ DEFAULT_ENGINE = {"num_blocks": 48, "max_num_seqs": 16, "max_num_batched_tokens"
 
 def run_validate(args: argparse.Namespace) -> int:
     from tokenloop.bench.cli import replay_engine_options
-    from tokenloop.cli.simulate import resolve_profile, sweep_of
+    from tokenloop.cli.simulate_calibrate import resolve_profile, sweep_of
     from tokenloop.model.loader import DEFAULT_MODEL
 
     model = args.model or DEFAULT_MODEL

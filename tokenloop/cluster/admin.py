@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tokenloop.cluster.errors import ClusterError
+
 if TYPE_CHECKING:
     from tokenloop.cluster.replica_set import ReplicaSet
 
@@ -23,7 +25,6 @@ def replicas_status(replicas: ReplicaSet) -> dict[str, Any]:
 
 def drain(replicas: ReplicaSet, index: int) -> dict[str, Any]:
     """Admit nothing new on replica `index` and move its running requests to the others."""
-    from tokenloop.cluster.replica_set import ClusterError
     from tokenloop.cluster.router import RouteRequest
 
     replica = replicas.replica(index)
@@ -51,8 +52,6 @@ def drain(replicas: ReplicaSet, index: int) -> dict[str, Any]:
 def undrain(replicas: ReplicaSet, index: int) -> dict[str, Any]:
     replica = replicas.replica(index)
     if not replica.alive:
-        from tokenloop.cluster.replica_set import ClusterError
-
         raise ClusterError(f"replica {index} is not alive ({replica.death})")
     replica.admitting = True
     replicas.tracker.set_admitting(index, True)
@@ -63,7 +62,6 @@ def migrate(replicas: ReplicaSet, request_id: str, destination: int | None = Non
     """Move a running request (each of its samples when n > 1) to replica `destination` (default: the
     least loaded other live replica): live migration, pre-copy of its full blocks while it decodes, then
     a short pause for the tail."""
-    from tokenloop.cluster.replica_set import ClusterError
 
     if destination is not None:
         replicas.replica(destination)

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tokenloop.cluster.errors import ClusterError
 from tokenloop.core.kv_cache import block_hash_chain
 from tokenloop.core.messages import (
     CallResult,
@@ -170,8 +171,6 @@ class HandoffFlow:
 
     def start(self, request_id: str, destination: int, reason: str) -> Handoff:
         """Begin moving one request (raises ClusterError when it cannot move there)."""
-        from tokenloop.cluster.replica_set import ClusterError
-
         s = self.set
         owned = s.owned(request_id)
         if owned is None:

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenloop.cluster.admin import CLUSTER_CALLS
+from tokenloop.cluster.errors import ClusterError
 from tokenloop.cluster.handoff_flow import HandoffFlow, HandoffStats
 from tokenloop.cluster.load import LoadTracker
 from tokenloop.cluster.router import Dispatcher, Router, RouteRequest
@@ -42,13 +44,7 @@ from tokenloop.core.messages import (
     UtilityCall,
 )
 from tokenloop.core.wire import error_from_wire, error_to_wire
-from tokenloop.errors import (
-    CapacityError,
-    ClusterConflictError,
-    InvalidRequestError,
-    ReplicaNotFoundError,
-    TokenloopError,
-)
+from tokenloop.errors import CapacityError, InvalidRequestError, TokenloopError
 from tokenloop.observe.records import HandoffRecord
 from tokenloop.request import default_clock
 
@@ -78,11 +74,6 @@ def _merge_kv_facts(values: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 _MERGE["kv_facts"] = _merge_kv_facts
-
-
-def ClusterError(message: str, status: int = 409) -> TokenloopError:
-    """The error of a cluster call the set cannot do: 404 for an unknown replica or request, 409 else."""
-    return ReplicaNotFoundError(message) if status == 404 else ClusterConflictError(message)
 
 
 @dataclass
@@ -352,8 +343,6 @@ class ReplicaSet:
             out.setdefault(index, []).append(dataclasses.replace(message, request_ids=ids))
 
     def _utility(self, message: UtilityCall, out: dict[int, list[InputMessage]]) -> None:
-        from tokenloop.cluster.admin import CLUSTER_CALLS
-
         handler = CLUSTER_CALLS.get(message.name)
         if handler is not None:
             try:

@@ -21,6 +21,7 @@ from typing import Any
 
 import msgpack
 
+import tokenloop.errors as errors
 from tokenloop.core.handoff import ImportResult, KVBlockData, KVSnapshot, RequestState
 from tokenloop.core.messages import (
     AddRequests,
@@ -253,8 +254,6 @@ def error_to_wire(exc: BaseException) -> CoreError:
 
 def error_from_wire(error: CoreError) -> Exception:
     """The same exception class again where tokenloop defines it; a RequestFailedError otherwise."""
-    from tokenloop import errors
-
     cls = getattr(errors, error.kind, None)
     if cls is errors.InvalidRequestError:
         return errors.InvalidRequestError(error.message, param=error.param)

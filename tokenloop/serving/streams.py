@@ -9,14 +9,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tokenloop.errors import RequestFailedError
 from tokenloop.outputs import CompletionOutput, RequestOutput
 from tokenloop.request import SamplingParams
 
-if TYPE_CHECKING:
-    from tokenloop.serving.async_engine import AsyncEngine
+
+class Aborts(Protocol):
+    """What a stream needs of its engine (`AsyncEngine`): aborting the requests nobody reads any more."""
+
+    def abort(self, request_ids: str | Sequence[str]) -> None: ...
 
 
 @dataclass
@@ -53,7 +56,7 @@ class RequestStream:
     failed without an output (its step raised) raises `RequestFailedError` from the iterator.
     """
 
-    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str], loop: asyncio.AbstractEventLoop,
+    def __init__(self, engine: Aborts, request_ids: Sequence[str], loop: asyncio.AbstractEventLoop,
                  max_backlog: int | None = None) -> None:
         self.request_ids = list(request_ids)
         self.loop = loop
