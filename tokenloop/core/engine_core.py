@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -30,23 +30,22 @@ from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.kv_events import KVEventBatch, KVEventLog, KVIndexSnapshot
 from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
 from tokenloop.core.recording import gauges, release_infos, step_record
-from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerStats
-from tokenloop.core.speculative import NgramProposer, accept_greedy
+from tokenloop.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tokenloop.core.speculative import NgramProposer
+from tokenloop.core.update import StepUpdate, Updater, new_output, touch
 from tokenloop.errors import ConfigError, InvalidRequestError
-from tokenloop.logprobs import TokenLogprobs
-from tokenloop.model.dtypes import CpuFeatures, build_model, require_device, resolve_dtype
+from tokenloop.model.dtypes import CpuFeatures, DtypeChoice, build_model, require_device, resolve_dtype
 from tokenloop.model.loader import Checkpoint, load_checkpoint
-from tokenloop.observe.records import ArrivalRecord, ObserverSet, Observes
-from tokenloop.request import Clock, Request, RequestStatus, default_clock
+from tokenloop.observe.records import ArrivalRecord, ObserverSet, Observes, ReleaseInfo
+from tokenloop.request import Clock, FinishReason, Request, RequestStatus, default_clock
 from tokenloop.runner import ModelRunner, RunnerOutput
 from tokenloop.sampler import Sampler
 from tokenloop.structured.engine_hooks import StructuredOutputs
 
+if TYPE_CHECKING:
+    from tokenloop.model.models.llama import LlamaModel
+
 logger = logging.getLogger(__name__)
-
-_FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
-                  "abort": RequestStatus.FINISHED_ABORTED, "error": RequestStatus.FINISHED_ERROR}
-
 
 class ModelStandIn(Protocol):
     """What stands in for the model when the core runs without one (the simulator, tokenloop.sim)."""
@@ -70,6 +69,8 @@ class EngineCore:
         self.clock = clock
         self.observers = ObserverSet(list(observers))
         block_size = config.cache.block_size
+        self.dtype_choice: DtypeChoice | None
+        self.model: LlamaModel | None
         if stand_in is None:
             require_device(config.device)
             checkpoint = checkpoint or load_checkpoint(config.model, keep_quantized=True)
@@ -106,12 +107,16 @@ class EngineCore:
                                        events=self.kv_events)
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock, proposer=proposer)
-        self.runner = (ModelRunner(self.model, num_blocks, block_size) if stand_in is None
-                       else stand_in.make_runner(num_blocks, block_size))
+        if stand_in is not None:
+            self.runner = stand_in.make_runner(num_blocks, block_size)
+        else:
+            assert self.model is not None  # built above when nothing stands in for it
+            self.runner = ModelRunner(self.model, num_blocks, block_size)
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size)  # type: ignore[arg-type]
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._prompt_logprobs_sent: dict[str, int] = {}  # prompt positions already reported, per request
+        self.updater = Updater(self.scheduler, self.structured, self.max_model_len, clock)
         self.handoffs = HandoffStage(config.model, self.scheduler, self.kv_cache, self.runner, self.sampler,
                                      self.structured, self.vocab_size, self.eos_token_id,
                                      config.scheduler.max_num_seqs, clock)
@@ -144,11 +149,11 @@ class EngineCore:
 
     def add_requests(self, requests: Sequence[CoreRequest]) -> None:
         """Queue requests, all or none; raises InvalidRequestError / CapacityError and queues nothing."""
-        for request in requests:
-            if request.request_id in self._requests:
-                raise InvalidRequestError(f"request id {request.request_id!r} is already in use",
+        for core_request in requests:
+            if core_request.request_id in self._requests:
+                raise InvalidRequestError(f"request id {core_request.request_id!r} is already in use",
                                           param="request_id")
-            self.validate(request)
+            self.validate(core_request)
         grammars = [self.structured.compile(r.params.structured_outputs) for r in requests]
         added: list[Request] = []
         try:
@@ -175,11 +180,11 @@ class EngineCore:
                     request.request_id, request.prompt, request.prompt_token_ids,
                     request.sampling_params.max_tokens, request.times.arrival, now, self.scheduler.num_waiting))
 
-    def finish_requests(self, request_ids: Sequence[str], finish_reason: str = "abort",
+    def finish_requests(self, request_ids: Sequence[str], finish_reason: FinishReason = FinishReason.ABORT,
                         stop_reason: int | str | None = None) -> list[CoreOutput]:
         """End requests now (cancelled, or stopped by the front end's stop string): their block
         references are released and no step produces anything more for them. Unknown ids are skipped."""
-        status = _FINISH_STATUS[finish_reason]
+        status = FinishReason(finish_reason).status
         finals = []
         for request_id in request_ids:
             request = self._requests.get(request_id)
@@ -189,7 +194,7 @@ class EngineCore:
             if request.status is RequestStatus.EXPORTING:
                 self.handoffs.drop(request_id)  # a late ack or nack finds no lease
             self.scheduler.finish_request(request_id, status)
-            finals.append(self._final_output(request, self._new_output(request, [])))
+            finals.append(self._final_output(request, new_output(request, [])))
         releases = release_infos(self.scheduler.take_releases())
         if releases:
             self.observers.release(releases)
@@ -209,71 +214,69 @@ class EngineCore:
 
     def step(self) -> CoreOutputs:
         """Go around the loop once; outputs of every request that got tokens or ended."""
-        clock = self.clock
-        start = clock()
+        stamps = [self.clock()]  # start, then the end of schedule, execute, sample, and the step
         self.handoffs.expire()  # a lease nobody answered: the request runs here again
         schedule = self.scheduler.schedule()  # the KV stage inside: prefix hits, allocation, preemption
         self.runner.apply_block_diffs(schedule)
-        schedule_end = clock()
+        stamps.append(self.clock())
+        schedule, result, failures = self._execute(schedule)
+        stamps.append(self.clock())
         pending: dict[str, CoreOutput] = {}  # this step's output of each request so far
-        failures: list[Failure] = []
-        result: RunnerOutput | None = None
-        if not schedule.is_empty:
-            self.num_steps += 1
-            if self.injected_step_delay_s > 0:
-                time.sleep(self.injected_step_delay_s)
-            schedule, result, failures = execute_isolated(self.runner, schedule)
-        execute_end = clock()
-        sampled: list[Sampled] = []
-        speculating = result is not None and schedule.num_draft_tokens > 0
-        if result is not None:
-            self.scheduler.update_from_output(schedule)
-            sampling = [schedule.scheduled[i].request for i in result.sample_indices]
-            if speculating:  # a drafted row's logits rows: after its real token, then after each draft
-                sampling = [schedule.scheduled[i].request for i in result.sample_indices
-                            for _ in range(1 + len(schedule.scheduled[i].draft_token_ids))]
-            if result.token_ids is not None:  # dictated by the runner (the simulator's): nothing to sample
-                sampled = list(zip(sampling, result.token_ids, itertools.repeat(None)))
-            else:
-                assert result.logits is not None
-                sampled, failed_sampling = sample_isolated(self.sampler, result.logits, sampling,
-                                                           self.vocab_size)
-                failures += failed_sampling
-            self._record_prompt_logprobs(result, pending)
-        sample_end = clock()
-        num_accepted = 0
-        if speculating:
-            assert result is not None
-            sampled, num_accepted = self._verify([schedule.scheduled[i] for i in result.sample_indices], sampled,
-                                                 failures, sample_end, pending)
+        sampled = self._sample(schedule, result, failures, pending)
+        stamps.append(self.clock())
+        update = self.updater.update(schedule, result, sampled, failures, pending, now=stamps[-1])
+        releases = self._release(pending)
+        stamps.append(self.clock())
+        return self._report(schedule, result, update, releases, pending, stamps)
+
+    def _execute(self, schedule: SchedulerOutput) -> tuple[SchedulerOutput, RunnerOutput | None, list[Failure]]:
+        """One batched forward over the scheduled rows; rows whose execution failed leave the schedule."""
+        if schedule.is_empty:
+            return schedule, None, []
+        self.num_steps += 1
+        if self.injected_step_delay_s > 0:
+            time.sleep(self.injected_step_delay_s)
+        return execute_isolated(self.runner, schedule)
+
+    def _sample(self, schedule: SchedulerOutput, result: RunnerOutput | None, failures: list[Failure],
+                pending: dict[str, CoreOutput]) -> list[Sampled]:
+        """The scheduled requests move on past the computed tokens; each sampling row gets its token (a
+        drafted row one after its real token and one after each draft); prompt logprobs go to `pending`."""
+        if result is None:
+            return []
+        self.scheduler.update_from_output(schedule)
+        rows = [schedule.scheduled[i] for i in result.sample_indices]
+        sampling = ([item.request for item in rows for _ in range(1 + len(item.draft_token_ids))]
+                    if schedule.num_draft_tokens else [item.request for item in rows])
+        if result.token_ids is not None:  # dictated by the runner (the simulator's): nothing to sample
+            sampled: list[Sampled] = list(zip(sampling, result.token_ids, itertools.repeat(None)))
         else:
-            for request, token, logprobs in sampled:
-                try:
-                    status = self._append(request, token, logprobs, sample_end, pending)
-                    if status is not None:
-                        self._finish(request, status, sample_end)
-                except Exception as exc:  # noqa: BLE001 - one request's failure must not take the others down
-                    _log_update_failure(request, exc)
-                    failures.append((request, "updating", exc))
-        for request, stage, cause in failures:
-            self._fail_request(request, stage, cause)
-        for request in [*schedule.failed, *(f[0] for f in failures)]:  # they end now, alone
-            self._touch(pending, request)
+            assert result.logits is not None
+            sampled, failed_sampling = sample_isolated(self.sampler, result.logits, sampling, self.vocab_size)
+            failures += failed_sampling
+        self._record_prompt_logprobs(result, pending)
+        return sampled
+
+    def _release(self, pending: dict[str, CoreOutput]) -> list[ReleaseInfo]:
+        """Every request this step ended drops its block references; its output says how it ended."""
         ended = self.scheduler.take_releases()
-        for request, _, _, _ in ended:  # every request this step ended was released: its output says how
+        for request, _, _, _ in ended:
             output = pending.get(request.request_id)
             if output is not None:
                 self._final_output(request, output)
-        releases = release_infos(ended)
-        outputs = list(pending.values())
-        end = clock()
+        return release_infos(ended)
+
+    def _report(self, schedule: SchedulerOutput, result: RunnerOutput | None, update: StepUpdate,
+                releases: list[ReleaseInfo], pending: dict[str, CoreOutput], stamps: list[int]) -> CoreOutputs:
+        """The step's outputs, its record (to the observers) and its KV events."""
         record = None
         if self.observers and (not schedule.is_empty or schedule.preempted or releases):
-            record = step_record(self.num_steps, (start, schedule_end, execute_end, sample_end, end), schedule,
-                                 result, sampled, releases, gauges(self.scheduler, self.kv_cache), num_accepted)
+            record = step_record(self.num_steps, tuple(stamps), schedule, result, update.appended, releases,
+                                 gauges(self.scheduler, self.kv_cache), update.num_accepted)
             self.observers.step(record)
-        kv_events = self.kv_events.flush(end) if self.kv_events is not None else None
-        return CoreOutputs(outputs, sample_end, len(schedule.scheduled), record, kv_events=kv_events)
+        kv_events = self.kv_events.flush(stamps[-1]) if self.kv_events is not None else None
+        return CoreOutputs(list(pending.values()), stamps[3], len(schedule.scheduled), record,
+                           kv_events=kv_events)
 
     # ---- handoff (tokenloop.core.handoff): a request moves to another engine under a lease -----------
 
@@ -337,94 +340,7 @@ class EngineCore:
         """The whole prefix index as of the last batch (None with KV events off)."""
         return self.kv_events.snapshot(self.kv_cache.pool, self.clock()) if self.kv_events is not None else None
 
-    # ---- update: append, stop checks -------------------------------------------------------------
-
-    def _finish(self, request: Request, status: RequestStatus, now: int) -> None:
-        """End a request its update stopped (the stamp of the step's tokens is its end)."""
-        request.times.finished = now
-        self.scheduler.finish_request(request.request_id, status)
-
-    def _verify(self, items: list[ScheduledRequest], sampled: list[Sampled], failures: list[Failure], now: int,
-                pending: dict[str, CoreOutput]) -> tuple[list[Sampled], int]:
-        """A speculative step's update: per sampling row, the model's tokens after its real token and each
-        draft; keep the drafts it agrees with plus its next token, appending them one by one with the stop
-        checks, so a request stops exactly where plain decoding would. Returns the appended tokens and how
-        many drafts were accepted."""
-        rows: dict[str, list[tuple[int, TokenLogprobs | None]]] = {}
-        for request, token, logprobs in sampled:
-            rows.setdefault(request.request_id, []).append((token, logprobs))
-        failed = {request.request_id for request, _, _ in failures}
-        appended: list[Sampled] = []
-        total_accepted = 0
-        for item in items:
-            request = item.request
-            targets = rows.get(request.request_id)
-            if targets is None or request.request_id in failed:
-                continue
-            accepted = accept_greedy(item.draft_token_ids, [token for token, _ in targets])
-            total_accepted += accepted
-            try:
-                status, num_appended = None, 0
-                for token, logprobs in targets[:accepted + 1]:
-                    status = self._append(request, token, logprobs, now, pending)
-                    appended.append((request, token, logprobs))
-                    num_appended += 1
-                    if status is not None:
-                        break
-                if item.draft_token_ids:  # every appended token but the last was an input with its K/V computed
-                    self.scheduler.accept_drafts(item, num_appended - 1)
-                if status is not None:
-                    self._finish(request, status, now)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the others down
-                _log_update_failure(request, exc)
-                failures.append((request, "updating", exc))
-        return appended, total_accepted
-
-    def _append(self, request: Request, token: int, logprobs: TokenLogprobs | None, now: int,
-                pending: dict[str, CoreOutput]) -> RequestStatus | None:
-        """Append one token, stamp it, and run the core's stop checks in vLLM's order; the status it ends the
-        request with, if any."""
-        params = request.sampling_params
-        request.append_output_token(token)
-        request.times.record_token(now)
-        output = pending.get(request.request_id)
-        if output is None:
-            output = pending[request.request_id] = self._new_output(request, [token])
-        else:
-            output.new_token_ids.append(token)
-        if params.logprobs is not None and logprobs is not None:
-            if output.new_logprobs is None:
-                output.new_logprobs = []
-            output.new_logprobs.append(logprobs)
-        if request.structured is not None:  # (a call per token saved for the unconstrained rest)
-            self.structured.accept(request, token)  # raises if the grammar refuses it: fails this request only
-        num_output_tokens = len(request.output_token_ids)
-        can_stop = num_output_tokens >= params.min_tokens
-        status: RequestStatus | None = None
-        if can_stop and not params.ignore_eos and token == request.eos_token_id:
-            status = RequestStatus.FINISHED_STOPPED
-        elif request.structured is not None and request.structured.is_terminated:  # the grammar is complete
-            status = RequestStatus.FINISHED_STOPPED
-        elif can_stop and token in (params.stop_token_ids or ()):
-            status, request.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif num_output_tokens >= (params.max_tokens or self.max_model_len):
-            status = RequestStatus.FINISHED_LENGTH
-        elif len(request.all_token_ids) >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        return status
-
-    def _touch(self, pending: dict[str, CoreOutput], request: Request) -> CoreOutput:
-        output = pending.get(request.request_id)
-        if output is None:
-            output = pending[request.request_id] = self._new_output(request, [])
-        return output
-
-    @staticmethod
-    def _new_output(request: Request, token_ids: list[int]) -> CoreOutput:
-        # With the request's counters now: the update stage never changes them (scheduling does). Positional
-        # (no logprobs, no finish yet, then the counters): keywords cost twice the call here, once a row a step.
-        return CoreOutput(request.request_id, token_ids, None, None, None, None, None,
-                          request.times.first_scheduled, request.num_cached_tokens, request.num_preemptions)
+    # ---- release: how a request ended, and forgetting it ----------------------------------------------
 
     def _final_output(self, request: Request, output: CoreOutput) -> CoreOutput:
         """Fill in how `request` ended; forget it."""
@@ -450,25 +366,8 @@ class EngineCore:
                                                             + piece.logits.shape[0]])
             values = self.sampler.prompt_logprobs(piece.logits, targets,
                                                   request.sampling_params.prompt_logprobs or 0)
-            output = self._touch(pending, request)
+            output = touch(pending, request)
             if output.new_prompt_logprobs is None:
                 output.new_prompt_logprobs = []
             output.new_prompt_logprobs.extend(values)
             self._prompt_logprobs_sent[piece.request_id] = sent + len(values)
-
-    def _fail_request(self, request: Request, stage: str, cause: BaseException) -> None:
-        if isinstance(cause, InvalidRequestError):  # the request's own content: the client is told why
-            request.error, request.error_param = str(cause), cause.param
-        else:  # the exception is this request's own (isolated): its text may help an offline caller
-            detail = f" ({type(cause).__name__}: {str(cause)[:200]})" if cause is not None else ""
-            request.error = f"the server failed while {stage} this request{detail}"
-        if request.times.finished is None:
-            request.times.finished = self.clock()
-        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
-
-
-def _log_update_failure(request: Request, exc: Exception) -> None:
-    if isinstance(exc, InvalidRequestError):  # the request's own fault (its grammar's limits): no traceback
-        logger.info("request %s failed: %s", request.request_id, exc)
-    else:
-        logger.exception("update of %s failed", request.request_id)
