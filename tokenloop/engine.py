@@ -25,7 +25,7 @@ from tokenloop.errors import InvalidRequestError
 from tokenloop.model.loader import Checkpoint
 from tokenloop.observe.records import Observes
 from tokenloop.outputs import OutputProcessor, RequestOutput
-from tokenloop.request import Clock, SamplingParams, default_clock
+from tokenloop.request import Clock, FinishReason, SamplingParams, default_clock
 from tokenloop.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ class LLMEngine:
                     for cid in self.outputs.core_ids(rid)]
         if not core_ids:
             return []
-        finals = self.core.finish_requests(core_ids, "abort")
+        finals = self.core.finish_requests(core_ids, FinishReason.ABORT)
         return self.outputs.process(CoreOutputs(finals, self.clock(), 0)).outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -173,7 +173,7 @@ class LLMEngine:
         core_outputs = self.core.step()
         processed = self.outputs.process(core_outputs)
         for core_id, stop in processed.stopped:  # found in the text: the core stops computing it now
-            self.core.finish_requests([core_id], "stop", stop)
+            self.core.finish_requests([core_id], FinishReason.STOP, stop)
         if processed.failed:
-            self.core.finish_requests(processed.failed, "error")
+            self.core.finish_requests(processed.failed, FinishReason.ERROR)
         return processed.outputs

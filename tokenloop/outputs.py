@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
 from tokenloop.errors import InvalidRequestError
 from tokenloop.logprobs import TokenLogprobs
-from tokenloop.request import NS_PER_S, RequestTimes, SamplingParams
+from tokenloop.request import NS_PER_S, FinishReason, RequestTimes, SamplingParams
 from tokenloop.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None
     logprobs_delta: list[TokenLogprobs] | None
     cumulative_logprob: float | None
-    finish_reason: str | None = None  # stop, length, abort or error
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why the engine failed it, when finish_reason is "error"
     error_param: str | None = None  # the request field to blame, when the failure is the request's own fault
@@ -115,7 +115,7 @@ class _Sample:
     cumulative_logprob: float | None = None
     reported_tokens: int = 0
     reported_logprobs: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None
     error_param: str | None = None
@@ -232,7 +232,7 @@ class OutputProcessor:
                 stop = self._apply(group, sample, out, now)
             except Exception as exc:  # one request's failure must not take the others down
                 logger.exception("processing the output of %s failed", sample.core_id)
-                sample.finish_reason = "error"
+                sample.finish_reason = FinishReason.ERROR
                 sample.error = f"the server failed while detokenizing this request ({type(exc).__name__})"
                 sample.times.finished = now
                 if not out.finished:
@@ -263,17 +263,17 @@ class OutputProcessor:
         if stop_string is not None:
             # EOS or a stop token on the same token ranks first (vLLM's order); one further on (a speculative
             # step appends several tokens) comes after the stop string and never happened.
-            if out.finish_reason == "stop" and i == len(out.new_token_ids) - 1:
+            if out.finish_reason == FinishReason.STOP and i == len(out.new_token_ids) - 1:
                 self._finish(sample, out, now)
                 return None
-            sample.finish_reason, sample.stop_reason = "stop", stop_string
+            sample.finish_reason, sample.stop_reason = FinishReason.STOP, stop_string
             sample.times.finished = now
             self._finish_numbers(sample, out)
             return stop_string if not out.finished else None
         if out.new_token_ids or out.finished:
             self._finish_numbers(sample, out)
         if out.finished:
-            if out.finish_reason != "abort":  # a cancelled request's held-back text stays unsent
+            if out.finish_reason != FinishReason.ABORT:  # a cancelled request's held-back text stays unsent
                 sample.detokenizer.finish()
             self._finish(sample, out, now)
         return None

@@ -34,7 +34,9 @@ def default_clock() -> int:
     return time.monotonic_ns()
 
 
-class RequestStatus(enum.Enum):
+class RequestStatus(enum.StrEnum):
+    """Where a request is in its life (the loop's words); equal to its value, so records travel as it."""
+
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
@@ -50,16 +52,31 @@ class RequestStatus(enum.Enum):
         return self in _FINISHED
 
     @property
-    def finish_reason(self) -> str | None:
-        """The OpenAI-style finish reason: stop, length, abort or error."""
+    def finish_reason(self) -> FinishReason | None:
+        """The OpenAI-style finish reason of a finished status (None for handed off or unfinished)."""
         return _FINISH_REASONS.get(self)
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended, in OpenAI's words; equal to those strings, so it travels and prints as them."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+    @property
+    def status(self) -> RequestStatus:
+        """The status a request ends with for this reason."""
+        return _FINISH_STATUS[self]
 
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
                        RequestStatus.HANDED_OFF})
-_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP, RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+                   RequestStatus.FINISHED_ABORTED: FinishReason.ABORT, RequestStatus.FINISHED_ERROR: FinishReason.ERROR}
+_FINISH_STATUS = {reason: status for status, reason in _FINISH_REASONS.items()}
 
 
 OUTPUT_KINDS = ("final", "delta", "cumulative")
@@ -276,7 +293,7 @@ class Request:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
 
     def append_output_token(self, token_id: int) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from tests.tracing.conftest import GREEDY, PROMPTS, make_engine, run_to_end
 from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.model.loader import Checkpoint
+from tokenloop.observe.records import STAGES
 from tokenloop.observe.tracer import Tracer
-from tokenloop.observe.traces import STAGES
 from tokenloop.request import SamplingParams
 
 
@@ -188,7 +188,8 @@ def test_dashboard_state_snapshot(tiny: Checkpoint) -> None:
     for request in state["requests"]:
         assert request["arrival_ms"] <= request["admitted_ms"] <= request["first_token_ms"] <= request["end_ms"]
     assert len(state["iterations"]) == engine.num_steps
-    assert set(state["iterations"][0]["stages_ms"]) == set(STAGES)
+    assert state["stages"] == list(STAGES)  # the page draws the server's list, in the loop's order
+    assert list(state["iterations"][0]["stages_ms"]) == list(STAGES)
     assert len(state["ttft"]) == len(PROMPTS)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tokenloop.cli.simulate_runs import profile_options, run_costs
+from tokenloop.request import FinishReason
 
 
 def parse_routers(text: str) -> tuple[str, ...]:
@@ -93,7 +94,7 @@ def _replay(trace: Sequence[Any], profile: Any, engine_config: Any, router_name:
     for request, sim in zip(trace, requests):
         record = _new_record(request, sim.arrival_ns / NS_PER_S)
         if request.id in result.errors:
-            record.error, record.finish_reason = result.errors[request.id], "error"
+            record.error, record.finish_reason = result.errors[request.id], FinishReason.ERROR
         elif request.id in result.outputs:
             _fill_from_output(record, result.outputs[request.id][1], 0.0)
         records.append(record)

@@ -30,6 +30,7 @@ from tokenloop.core.messages import (
 )
 from tokenloop.core.wire import error_from_wire
 from tokenloop.observe.records import HandoffRecord
+from tokenloop.request import FinishReason
 
 if TYPE_CHECKING:
     from tokenloop.cluster.replica_set import OwnedRequest, ReplicaSet
@@ -294,8 +295,8 @@ class HandoffFlow:
         why = "the handoff's lease expired on the source before the destination's ack"
         logger.error("request %s: %s", handoff.request_id, why)
         s = self.set
-        s.send_to(handoff.source, [FinishRequests([handoff.request_id], "abort")])
-        s.send_to(handoff.destination, [FinishRequests([handoff.request_id], "abort")])
+        s.send_to(handoff.source, [FinishRequests([handoff.request_id], FinishReason.ABORT)])
+        s.send_to(handoff.destination, [FinishRequests([handoff.request_id], FinishReason.ABORT)])
         s.fail(handoff.request_id, why)
         self._record(handoff, "failed", why)
 

@@ -46,7 +46,7 @@ from tokenloop.core.messages import (
 from tokenloop.core.wire import error_from_wire, error_to_wire
 from tokenloop.errors import CapacityError, InvalidRequestError, TokenloopError
 from tokenloop.observe.records import HandoffRecord
-from tokenloop.request import default_clock
+from tokenloop.request import FinishReason, default_clock
 
 logger = logging.getLogger(__name__)
 
@@ -270,8 +270,8 @@ class ReplicaSet:
         if owned is None:
             return
         self.tracker.on_finished(owned.replica, request_id)
-        self._frames.append(CoreFrame(CoreOutputs([CoreOutput(request_id, [], finish_reason="error", error=why)],
-                                                  self.clock(), 0)))
+        failed = CoreOutput(request_id, [], finish_reason=FinishReason.ERROR, error=why)
+        self._frames.append(CoreFrame(CoreOutputs([failed], self.clock(), 0)))
 
     def request_ids(self) -> list[str]:
         return list(self._owned)

@@ -67,7 +67,8 @@ def start_core_process(config: EngineConfig, checkpoint: Checkpoint | None = Non
     level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
     heartbeat = (None if heartbeat_interval_s is None
                  else (heartbeat_address(directory.path), heartbeat_interval_s))
-    process = multiprocessing.get_context(start_method).Process(
+    # typeshed's BaseContext lacks Process; every context get_context returns has it.
+    process = multiprocessing.get_context(start_method).Process(  # type: ignore[attr-defined]
         target=_run_core_process, name="tokenloop-engine-core", daemon=True,
         args=(config, checkpoint, input_address, output_address, os.getpid(), level, heartbeat))
     try:

@@ -34,6 +34,7 @@ from tokenloop.core.messages import (
 from tokenloop.core.wire import error_to_wire
 from tokenloop.errors import EngineStoppedError
 from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepRecord
+from tokenloop.request import FinishReason
 
 if TYPE_CHECKING:  # the front end imports this module (RecordBuffer) without the engine
     from tokenloop.core.engine_core import EngineCore
@@ -211,7 +212,7 @@ class CoreLoop:
                 self._results.append(CallResult(parked.message.call_id, None, error_to_wire(stopping)))
             self._parked.clear()
             core.structured.close()
-            self._finals.extend(core.finish_requests(list(core._requests), "abort"))
+            self._finals.extend(core.finish_requests(list(core._requests), FinishReason.ABORT))
             self.stopped = True
         else:
             raise TypeError(f"not an engine-core message: {type(message).__name__}")

@@ -119,7 +119,7 @@ def _build(config: EngineConfig, checkpoint: Checkpoint | None, outputs: zmq.Soc
     # thresholds tripled the step's overhead; see BENCHMARKS.md).
     settle_startup_heap()
     outputs.send(wire.encode(CoreReady(os.getpid(), core.max_model_len, core.vocab_size, kv.num_blocks,
-                                       kv.block_size, core.dtype_choice.describe())))
+                                       kv.block_size, core.dtype_choice.describe() if core.dtype_choice else "")))
     return CoreLoop(core, buffer)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from tokenloop.core.kv_events import KVEventBatch
 from tokenloop.logprobs import TokenLogprobs
 from tokenloop.observe.records import ArrivalRecord, HandoffRecord, ReleaseInfo, StepRecord
-from tokenloop.request import SamplingParams
+from tokenloop.request import FinishReason, SamplingParams
 
 
 @dataclass(slots=True)
@@ -41,7 +41,7 @@ class CoreOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
     new_prompt_logprobs: list[TokenLogprobs] | None = None  # the next piece, from prompt position 1 on
-    finish_reason: str | None = None  # stop, length, abort, error
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it
     error: str | None = None
     # The request's own counters (three ints: cheaper than a second message at the end).
@@ -87,7 +87,7 @@ class FinishRequests:
     their final outputs come in the next frame."""
 
     request_ids: list[str]
-    finish_reason: str = "abort"
+    finish_reason: FinishReason = FinishReason.ABORT
     stop_reason: int | str | None = None
 
 

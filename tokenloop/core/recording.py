@@ -17,7 +17,7 @@ def release_infos(releases: Sequence[tuple[Request, BlockRelease, int, int]]) ->
     for request, release, start, end in releases:
         t = request.times
         infos.append(ReleaseInfo(
-            request.request_id, request.status.value, request.finish_reason, request.stop_reason,
+            request.request_id, request.status, request.finish_reason, request.stop_reason,
             request.error, release.block_ids, release.num_freed, release.num_kept_cached,
             release.num_still_shared, start, end, t.arrival, t.first_scheduled, t.first_token, t.last_token,
             t.finished if t.finished is not None else start, request.num_prompt_tokens,

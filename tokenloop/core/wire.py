@@ -13,6 +13,7 @@ so msgpack's C code does the work; only nested dataclasses, tuples and `Any` nee
 from __future__ import annotations
 
 import dataclasses
+import enum
 import operator
 import types
 import typing
@@ -72,7 +73,7 @@ class DataclassCodec:
         self.names = names
         getter = operator.attrgetter(*names) if names else (lambda obj: ())
         self._get: Callable[[Any], tuple[Any, ...]] = (
-            getter if len(names) != 1 else (lambda obj: (getter(obj),)))  # type: ignore[assignment]
+            getter if len(names) != 1 else (lambda obj: (getter(obj),)))
         self._encoders: list[tuple[int, Convert]] = []
         self._decoders: list[tuple[int, Convert]] = []
         for index, name in enumerate(names):
@@ -86,12 +87,12 @@ class DataclassCodec:
         values = self._get(obj)
         if not self._encoders:
             return values  # msgpack packs a tuple as an array
-        values = list(values)
+        row = list(values)
         for index, encode in self._encoders:
-            value = values[index]
+            value = row[index]
             if value is not None:  # None travels as it is (inlined: the hot fields are mostly None)
-                values[index] = encode(value)
-        return values
+                row[index] = encode(value)
+        return row
 
     def decode(self, values: list[Any]) -> Any:
         for index, decode in self._decoders:
@@ -133,7 +134,12 @@ def _converters(hint: Any, codecs: dict[type, DataclassCodec]) -> tuple[Convert 
         return None, None
     if hint in (int, float, str, bool, bytes, type(None)):
         return None, None
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):  # by value: a status, a finish reason
+        return _ENUM_VALUE, hint
     raise TypeError(f"wire: no encoding for {hint!r}")
+
+
+_ENUM_VALUE = operator.attrgetter("value")
 
 
 def _union_codec(options: list[Any], codecs: dict[type, DataclassCodec]) -> tuple[Convert, Convert]:
@@ -230,7 +236,8 @@ def encode_sendable(messages: Sequence[Any]) -> tuple[bytes | None, list[tuple[A
     try:
         return encode_batch(messages), []
     except (TypeError, ValueError, OverflowError) as first:  # the rare path: find the culprits one by one
-        good, failures = [], []
+        good: list[Any] = []
+        failures: list[tuple[Any, BaseException]] = []
         for message in messages:
             try:
                 encode(message)

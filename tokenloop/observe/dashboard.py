@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloop.observe.live import LiveRequest
-from tokenloop.observe.records import StepGauges
+from tokenloop.observe.records import STAGES, StepGauges
 from tokenloop.observe.traces import IterationTrace, RequestSummary, RequestTrace
 
 
@@ -107,6 +107,7 @@ def build_state(s: Snapshot) -> dict[str, Any]:
     requests.sort(key=lambda q: q["arrival_ms"] or 0.0)
     return {
         "now_ms": ms(s.now_ns),
+        "stages": list(STAGES),  # the loop's stages in order: the page draws these, it keeps no copy
         "tracing": {"enabled": s.enabled, "sample_rate": s.sample_rate},
         "counters": {**_counters(s.gauges, s.live), "steps": s.num_steps, **s.totals},
         "kv": _blocks(s.gauges),

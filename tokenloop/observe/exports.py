@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenloop.observe.traces import STAGES, ChunkTrace, IterationTrace, RequestTrace
+from tokenloop.observe.records import STAGES
+from tokenloop.observe.traces import ChunkTrace, IterationTrace, RequestTrace
 
 MECHANISM_TARGETS: dict[str, dict[str, str]] = {
     "state": {"id": "mechanism-state", "kind": "node", "label": "Tokenized state"},

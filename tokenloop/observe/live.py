@@ -13,8 +13,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepGauges, StepRecord
+from tokenloop.request import RequestStatus
 
-WAITING, RUNNING, PREEMPTED = "waiting", "running", "preempted"  # RequestStatus values of live requests
+WAITING, RUNNING, PREEMPTED = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED
 
 
 @dataclass(slots=True)
@@ -24,7 +25,7 @@ class LiveRequest:
     request_id: str
     arrival_ns: int
     num_prompt_tokens: int
-    state: str = WAITING
+    state: RequestStatus = WAITING
     first_scheduled_ns: int | None = None  # the start of the first step that scheduled it
     first_token_ns: int | None = None
     last_token_ns: int | None = None

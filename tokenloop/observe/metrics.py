@@ -30,6 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tokenloop.observe.live import LiveState
 from tokenloop.observe.records import ArrivalRecord, HandoffRecord, ReleaseInfo, StepGauges, StepRecord
+from tokenloop.request import FinishReason
 
 if TYPE_CHECKING:  # annotations only: observers depend on records, not on the engine's rooms
     from tokenloop.outputs import RequestMetrics
@@ -226,7 +227,7 @@ class EngineMetrics:
 
     def observe_aborted(self) -> None:
         """A request was cancelled (client gone, or server shutting down)."""
-        self.request_success.labels(self.model_name, "abort").inc()
+        self.request_success.labels(self.model_name, FinishReason.ABORT).inc()
 
     # ---- read by the API --------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tokenloop.request import FinishReason, RequestStatus
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,8 +46,8 @@ class ReleaseInfo:
     """A request ended and dropped its block references; where those blocks went, and its life in brief."""
 
     request_id: str
-    status: str  # RequestStatus value: finished_stopped, finished_length, finished_aborted, finished_error
-    finish_reason: str | None  # stop, length, abort, error
+    status: RequestStatus  # finished (stopped, length, aborted, error) or handed off
+    finish_reason: FinishReason | None  # None when handed off
     stop_reason: int | str | None
     error: str | None
     block_ids: list[int]  # its table before the release
@@ -140,16 +142,16 @@ class _StageBounds(Protocol):
     release_ns: int
 
 
+STAGES = ("schedule", "kv", "execute", "sample", "update", "release")
+"""The loop's stages in the order one iteration runs them: the one list the tracer, the exports and the
+dashboard (served to its page) use."""
+
+
 def stage_durations(step: _StageBounds) -> dict[str, int]:
     """The loop's stages of one step, from its boundaries: they tile [start_ns, end_ns]."""
-    return {
-        "schedule": step.schedule_end_ns - step.start_ns - step.kv_ns,
-        "kv": step.kv_ns,
-        "execute": step.execute_end_ns - step.schedule_end_ns,
-        "sample": step.sample_end_ns - step.execute_end_ns,
-        "update": step.end_ns - step.sample_end_ns - step.release_ns,
-        "release": step.release_ns,
-    }
+    return dict(zip(STAGES, (step.schedule_end_ns - step.start_ns - step.kv_ns, step.kv_ns,
+                             step.execute_end_ns - step.schedule_end_ns, step.sample_end_ns - step.execute_end_ns,
+                             step.end_ns - step.sample_end_ns - step.release_ns, step.release_ns), strict=True))
 
 
 @dataclass(slots=True)

@@ -43,9 +43,9 @@ from tokenloop.observe.traces import (
     RequestSummary,
     RequestTrace,
 )
-from tokenloop.request import Clock, default_clock
+from tokenloop.request import Clock, RequestStatus, default_clock
 
-_TOTAL_KEY = {"finished_aborted": "aborted", "finished_error": "errored"}  # by ReleaseInfo.status
+_TOTAL_KEY = {RequestStatus.FINISHED_ABORTED: "aborted", RequestStatus.FINISHED_ERROR: "errored"}
 
 
 class Decodes(Protocol):
@@ -236,7 +236,7 @@ class Tracer:
         trace.events.append(RequestEvent("preempted", record.start_ns, {
             "iteration": record.index, "blocks_released": len(trace.block_ids),
             "tokens_to_recompute": trace.num_prompt_tokens + len(trace.output_token_ids)}))
-        trace.state = "preempted"
+        trace.state = RequestStatus.PREEMPTED
         trace.block_ids = []
         trace.num_preemptions += 1
 
@@ -247,14 +247,14 @@ class Tracer:
             trace.block_ids = list(chunk.new_block_ids)
         else:
             trace.block_ids.extend(chunk.new_block_ids)
-        if trace.state in ("queued", "preempted"):
-            resumed = trace.state == "preempted"
+        if trace.state in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            resumed = trace.state is RequestStatus.PREEMPTED
             trace.recomputing = resumed
             trace.events.append(RequestEvent("resumed" if resumed else "admitted", it.start_ns, {
                 "iteration": it.index, "prefix_hit_tokens": chunk.prefix_hit_tokens,
                 "blocks_allocated": len(new_ids), "blocks_reused": len(reused_ids),
                 "block_ids": list(trace.block_ids), "batch_size": it.num_scheduled}))
-            trace.state = "running"
+            trace.state = RequestStatus.RUNNING
         if trace.recomputing:
             kind = "recompute"
         elif chunk.start < chunk.num_prompt_tokens:
@@ -283,7 +283,7 @@ class Tracer:
 
     def _record_releases(self, infos: list[ReleaseInfo]) -> None:
         for info in infos:
-            if info.status == "handed_off":  # it lives on in another replica: a transition, not an end
+            if info.status is RequestStatus.HANDED_OFF:  # it lives on in another replica: a transition, not an end
                 trace = self._live.get(info.request_id)
                 if trace is not None:
                     trace.events.append(RequestEvent("handoff_released", info.end_ns, {
@@ -297,13 +297,13 @@ class Tracer:
                 continue
             trace.finish_reason = info.finish_reason
             trace.stop_reason = info.stop_reason
-            trace.state = "finished"
-            reason: dict[str, Any] = {"reason": info.finish_reason, "status": info.status}
+            trace.state = info.status
+            reason: dict[str, Any] = {"reason": info.finish_reason, "status": info.status.value}
             if info.stop_reason is not None:
                 reason["stop_reason"] = info.stop_reason
             if info.error:
                 reason["error"] = info.error
-            name = "aborted" if info.status == "finished_aborted" else "finished"
+            name = "aborted" if info.status is RequestStatus.FINISHED_ABORTED else "finished"
             trace.events.append(RequestEvent(name, min(info.finished_ns, info.start_ns), reason))
             trace.release = ReleaseTrace(info.start_ns, info.end_ns, list(info.block_ids), info.num_freed,
                                          info.num_kept_cached, info.num_still_shared)

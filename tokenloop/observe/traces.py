@@ -11,9 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenloop.observe.records import ReleaseInfo, StepRecord, stage_durations
-
-STAGES = ("schedule", "kv", "execute", "sample", "update", "release")
-"""The loop's stages in the order one iteration runs them (the seed diagram's node keys)."""
+from tokenloop.request import RequestStatus
 
 
 @dataclass(slots=True)
@@ -121,7 +119,7 @@ class RequestTrace:
     arrival_ns: int
     events: list[RequestEvent] = field(default_factory=list)
     chunks: list[ChunkTrace] = field(default_factory=list)
-    state: str = "queued"  # queued, running, preempted, finished
+    state: RequestStatus = RequestStatus.WAITING  # then running, preempted, and how it finished
     recomputing: bool = False
     block_ids: list[int] = field(default_factory=list)  # its block table, rebuilt from the grants
     num_preemptions: int = 0

@@ -25,6 +25,7 @@ from tokenloop.config import ServerLimits
 from tokenloop.errors import EngineStoppedError, InvalidRequestError, RequestFailedError, TokenloopError
 from tokenloop.logprobs import TokenLogprobs
 from tokenloop.outputs import CompletionOutput, RequestOutput
+from tokenloop.request import FinishReason
 from tokenloop.serving.async_engine import AsyncEngine, RequestSpec, RequestStream
 from tokenloop.serving.errors import APIError, clipped, invalid
 from tokenloop.serving.protocol import (
@@ -133,9 +134,9 @@ def engine_failure(output: CompletionOutput) -> TokenloopError:
 
 def _check_finish(choice: _Choice) -> None:
     """Non-streaming: an 'error' or 'abort' ending is an HTTP error, not a choice."""
-    if choice.finish_reason == "error":
+    if choice.finish_reason == FinishReason.ERROR:
         raise choice.failure or RequestFailedError("the engine failed while running this request")
-    if choice.finish_reason == "abort":
+    if choice.finish_reason == FinishReason.ABORT:
         raise EngineStoppedError("the server shut down before the request finished")
 
 
@@ -228,7 +229,7 @@ class ServingBase:
                     if c.logprobs_delta:
                         choice.logprobs.extend(c.logprobs_delta)
                     choice.finish_reason = c.finish_reason
-                    if c.finish_reason == "error":
+                    if c.finish_reason == FinishReason.ERROR:
                         choice.failure = engine_failure(c)
 
         work = asyncio.ensure_future(gather())

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 
 from tokenloop.errors import RequestFailedError
 from tokenloop.logprobs import TokenLogprobs
-from tokenloop.request import SamplingParams
+from tokenloop.request import FinishReason, SamplingParams
 from tokenloop.serving.async_engine import RequestSpec, RequestStream
 from tokenloop.serving.base import MIN_LOGPROB, ServingBase, _check_finish, _Prompt, _Submission, engine_failure
 from tokenloop.serving.errors import api_error, invalid
@@ -160,7 +160,7 @@ class CompletionsServing(ServingBase):
                     choice = submission.choice(prompt_index, c.index)
                     if choice.finish_reason is not None:
                         continue
-                    if c.finish_reason == "error":
+                    if c.finish_reason == FinishReason.ERROR:
                         yield api_error(engine_failure(c)).frame()
                         yield DONE_FRAME
                         return

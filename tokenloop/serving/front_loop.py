@@ -29,6 +29,7 @@ from tokenloop.core.messages import (
 from tokenloop.core.wire import UnsendableMessages, error_from_wire, error_to_wire
 from tokenloop.errors import InvalidRequestError, RequestFailedError
 from tokenloop.outputs import OutputProcessor, RequestOutput
+from tokenloop.request import FinishReason
 from tokenloop.serving.core_client import CoreClient
 from tokenloop.serving.front_commands import Abort, Call, CommandQueue, Stop, Submit, Utility, refuse
 from tokenloop.serving.streams import (
@@ -259,13 +260,13 @@ class FrontLoop:
         for rid in ids:
             self.outputs.forget(rid)  # the core's finals for them find nobody: nothing more is sent
             live = self.live.pop(rid)
-            self._count_finished("abort")
+            self._count_finished(FinishReason.ABORT)
             if self.metrics is not None:
                 self.metrics.observe_aborted()
             if notify:
                 deliveries.append((live.stream, aborted_output(live.spec)))
         if core_ids:
-            self._messages.append(FinishRequests(core_ids, "abort"))
+            self._messages.append(FinishRequests(core_ids, FinishReason.ABORT))
         self._deliver(deliveries)
 
     def _fail_all(self, error: BaseException, *, tell_core: bool = True) -> None:
@@ -275,12 +276,12 @@ class FrontLoop:
         for rid in ids:
             self.outputs.forget(rid)
             live = self.live.pop(rid)
-            self._count_finished("error")
+            self._count_finished(FinishReason.ERROR)
             if self.metrics is not None:
-                self.metrics.observe_finished("error", None)
+                self.metrics.observe_finished(FinishReason.ERROR, None)
             deliveries.append((live.stream, error))
         if tell_core and core_ids:
-            self._messages.append(FinishRequests(core_ids, "abort"))
+            self._messages.append(FinishRequests(core_ids, FinishReason.ABORT))
             self._flush()
         self._deliver(deliveries)
 
@@ -319,9 +320,9 @@ class FrontLoop:
                 observers.handoff(handoff)
         processed = self.outputs.process(core)
         for core_id, stop in processed.stopped:
-            self._messages.append(FinishRequests([core_id], "stop", stop))
+            self._messages.append(FinishRequests([core_id], FinishReason.STOP, stop))
         if processed.failed:
-            self._messages.append(FinishRequests(processed.failed, "error"))
+            self._messages.append(FinishRequests(processed.failed, FinishReason.ERROR))
         deliveries: list[Delivery] = []
         metrics = self.metrics
         for output in processed.outputs:

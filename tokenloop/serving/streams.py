@@ -13,7 +13,7 @@ from typing import Protocol
 
 from tokenloop.errors import RequestFailedError
 from tokenloop.outputs import CompletionOutput, RequestOutput
-from tokenloop.request import SamplingParams
+from tokenloop.request import FinishReason, SamplingParams
 
 
 class Aborts(Protocol):
@@ -113,15 +113,15 @@ def dispatch(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -
 
 def request_finish_reason(output: RequestOutput) -> str:
     reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
-    if "error" in reasons:
-        return "error"
-    return reasons[0] if reasons else "abort"
+    if FinishReason.ERROR in reasons:
+        return FinishReason.ERROR
+    return reasons[0] if reasons else FinishReason.ABORT
 
 
 def aborted_output(spec: RequestSpec) -> RequestOutput:
     """The final output of a request the server aborted: no new tokens, finish_reason 'abort'."""
     outputs = [CompletionOutput(index=i, text="", token_ids=[], text_delta="", token_ids_delta=[], logprobs=None,
-                                logprobs_delta=None, cumulative_logprob=None, finish_reason="abort")
+                                logprobs_delta=None, cumulative_logprob=None, finish_reason=FinishReason.ABORT)
                for i in range(spec.params.n)]
     prompt = spec.prompt if isinstance(spec.prompt, str) else None
     return RequestOutput(spec.request_id, prompt, list(spec.prompt_token_ids or []), None, outputs, finished=True)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, model_serializer
 
 from tokenloop.errors import InvalidRequestError
+from tokenloop.request import FinishReason
 from tokenloop.structured.spec import StructuredOutputsParams
 from tokenloop.structured.tool_calls import ToolChoice, forced_call_constraint, parse_output, resolve_tool_choice
 from tokenloop.structured.tool_stream import ContentPiece, StreamEvent, ToolCallStream
@@ -134,7 +135,7 @@ def final_message(text: str, finish_reason: str | None,
     if not calls:
         return text, None, finish_reason
     tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-    return content, tool_calls, "tool_calls" if finish_reason == "stop" else finish_reason
+    return content, tool_calls, "tool_calls" if finish_reason == FinishReason.STOP else finish_reason
 
 
 def stream_deltas(events: list[StreamEvent]) -> list[dict[str, Any]]:
@@ -153,6 +154,6 @@ def stream_deltas(events: list[StreamEvent]) -> list[dict[str, Any]]:
 
 def stream_finish_reason(stream: ToolCallStream | None, finish_reason: str | None) -> str | None:
     """A streamed choice that made calls and ended normally ends with "tool_calls"."""
-    if stream is not None and stream.num_calls and finish_reason == "stop":
+    if stream is not None and stream.num_calls and finish_reason == FinishReason.STOP:
         return "tool_calls"
     return finish_reason

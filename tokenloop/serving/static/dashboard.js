@@ -5,7 +5,7 @@
 
   var POLL_MS = 1000;
   var ANIMATION_MS = 850; // one iteration's replay; shorter than the poll so replays do not pile up
-  var STAGES = ["schedule", "kv", "execute", "sample", "update", "release"];
+  var STAGES = []; // the loop's stages in order, as the server names them (state.stages)
   var STAGE_COLORS = { schedule: "#b48cff", kv: "#ffcc4d", execute: "#4fb3ff", sample: "#5fd38d", update: "#ff8ac8", release: "#ff8a5b" };
   var STAGE_TITLES = {
     schedule: "Select runnable work", kv: "Prepare KV capacity", execute: "Execute the selected batch",
@@ -284,6 +284,7 @@
   }
 
   function render(state) {
+    STAGES = state.stages;
     renderCounters(state);
     renderKV(state.kv);
     renderReplicas(state.replicas);
