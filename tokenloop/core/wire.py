@@ -135,7 +135,8 @@ def _converters(hint: Any, codecs: dict[type, DataclassCodec]) -> tuple[Convert 
     if hint in (int, float, str, bool, bytes, type(None)):
         return None, None
     if isinstance(hint, type) and issubclass(hint, enum.Enum):  # by value: a status, a finish reason
-        return _ENUM_VALUE, hint
+        # A str enum packs as its string already (and a plain string of a member's value passes too).
+        return (None if issubclass(hint, str) else _ENUM_VALUE), hint
     raise TypeError(f"wire: no encoding for {hint!r}")
 
 
