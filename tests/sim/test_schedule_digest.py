@@ -13,6 +13,7 @@ exact. A change that alters any decision changes the digest: if it is meant to, 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import random
 import sys
@@ -122,7 +123,8 @@ def run(policy: str, setting: str, trace: Trace) -> tuple[list[Any], Keep, Simul
             if not engine.core.has_unfinished_requests():
                 continue
         outs, finished = engine.step_outputs()
-        produced.append((as_recorded(outs.outputs), outs.num_scheduled, outs.timestamp_ns, outs.kv_events, finished))
+        produced.append((as_recorded(outs.outputs), outs.num_scheduled, outs.timestamp_ns, outs.kv_events,
+                         finished_as_recorded(finished)))
         if outs.num_scheduled == 0:
             assert next_arrival < len(trace.arrival_ns), "the engine holds requests but schedules none"
             clock.advance_to(trace.arrival_ns[next_arrival])
@@ -136,6 +138,12 @@ LATER_FIELDS = {"num_draft_tokens": 0, "num_accepted_tokens": 0}
 LATER_OUTPUT_FIELDS = {"error_param": None}
 
 
+def _plain(value: Any) -> Any:
+    """Finish reasons and statuses became str enums (issue 31): the digest reads them as the strings they
+    equal, as they were recorded."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 class _AsRecorded:
     """An output whose repr is the one it had when the digests were recorded."""
 
@@ -144,7 +152,7 @@ class _AsRecorded:
 
     def __repr__(self) -> str:
         output = self.output
-        values = {f.name: getattr(output, f.name) for f in dataclasses.fields(output) if f.repr}
+        values = {f.name: _plain(getattr(output, f.name)) for f in dataclasses.fields(output) if f.repr}
         for name, value in LATER_OUTPUT_FIELDS.items():
             assert values.pop(name) == value, f"{name} is no longer {value} in the digest's trace"
         return f"{type(output).__qualname__}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
@@ -154,10 +162,18 @@ def as_recorded(outputs: list[Any]) -> list[_AsRecorded]:
     return [_AsRecorded(output) for output in outputs]
 
 
+def finished_as_recorded(finished: list[Any]) -> list[Any]:
+    """Finished requests with their completions' finish reasons as recorded (strings)."""
+    return [dataclasses.replace(o, outputs=[dataclasses.replace(c, finish_reason=_plain(c.finish_reason))
+                                            for c in o.outputs]) for o in finished]
+
+
 def record_repr(record: StepRecord) -> str:
     """The record's dataclass repr as it was when the digests were recorded (`kv_ns` zeroed)."""
     values = {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.repr}
     values["kv_ns"] = 0
+    values["releases"] = [dataclasses.replace(r, status=_plain(r.status), finish_reason=_plain(r.finish_reason))
+                          for r in record.releases]
     for name, value in LATER_FIELDS.items():
         assert values.pop(name) == value, f"{name} is no longer {value} in the digest's trace"
     return f"{type(record).__qualname__}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
