@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from typing import Any
@@ -60,6 +61,8 @@ def _strategy(hint: Any, depth: int = 0) -> st.SearchStrategy[Any]:
         return st.tuples(*[_strategy(a, depth + 1) for a in args])
     if origin is dict:
         return st.dictionaries(_strategy(args[0], depth + 1), _strategy(args[1], depth + 1), max_size=2)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):  # a status, a finish reason
+        return st.sampled_from(list(hint))
     return {int: _ints, float: _floats, str: _text, bool: st.booleans(), bytes: st.binary(max_size=16),
             type(None): st.none()}[hint]
 
