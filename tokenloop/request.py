@@ -74,8 +74,10 @@ class FinishReason(enum.StrEnum):
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
                        RequestStatus.HANDED_OFF})
-_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP, RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
-                   RequestStatus.FINISHED_ABORTED: FinishReason.ABORT, RequestStatus.FINISHED_ERROR: FinishReason.ERROR}
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+                   RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+                   RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+                   RequestStatus.FINISHED_ERROR: FinishReason.ERROR}
 _FINISH_STATUS = {reason: status for status, reason in _FINISH_REASONS.items()}
 
 
