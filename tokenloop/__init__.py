@@ -14,16 +14,17 @@ if TYPE_CHECKING:
     from tokenloop.config import CacheConfig, EngineConfig, SchedulerConfig
     from tokenloop.engine import CompletionOutput, LLMEngine, RequestOutput
     from tokenloop.llm import LLM
-    from tokenloop.request import SamplingParams
+    from tokenloop.request import LoRARequest, SamplingParams
 
 # Imported when first named: `import tokenloop.cli` must not import torch (~1.6 s), so that `tokenloop
 # serve` can start its engine core process before this process imports the server's own modules.
 _EXPORTS = {"LLM": "tokenloop.llm", "LLMEngine": "tokenloop.engine", "RequestOutput": "tokenloop.engine",
             "CompletionOutput": "tokenloop.engine", "SamplingParams": "tokenloop.request",
             "EngineConfig": "tokenloop.config", "CacheConfig": "tokenloop.config",
-            "SchedulerConfig": "tokenloop.config"}
+            "SchedulerConfig": "tokenloop.config", "LoRARequest": "tokenloop.request"}
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "CacheConfig", "SchedulerConfig", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "CacheConfig", "SchedulerConfig", "RequestOutput", "CompletionOutput",
+           "LoRARequest"]
 __version__ = "0.1.0"
 
 
