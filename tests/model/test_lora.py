@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from tests.conftest import write_tiny_llama
+from tests.lora_adapters import ALL_TARGETS, peft_greedy, write_peft_adapter
 from tokenloop import LLM, LoRARequest, SamplingParams
 from tokenloop.errors import AdapterLoadError, AdapterNotFoundError
 
 # name -> (rank, alpha, targets, rsLoRA)
 ADAPTERS = {
-    "a": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+    "a": (8, 16, ALL_TARGETS, False),
     "b": (4, 8, ["q_proj", "v_proj"], True),
     "c": (16, 8, ["o_proj", "gate_proj", "up_proj", "down_proj"], False),
     "d": (8, 4, ["k_proj", "up_proj"], False),
@@ -29,29 +30,11 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("lora-base"), seed=5)
 
 
-def _hf_base(tiny_dir: Path):  # noqa: ANN202 - a transformers model
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def adapter_dirs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """PEFT adapters with random A and B (PEFT's own init leaves B zero), written by PEFT itself."""
-    from peft import LoraConfig, get_peft_model
-
-    dirs = {}
-    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(100 + seed)
-        model = get_peft_model(_hf_base(tiny_dir), LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                                               use_rslora=rslora, init_lora_weights=False))
-        with torch.no_grad():
-            for key, param in model.named_parameters():
-                if "lora_" in key:
-                    param.copy_(torch.randn_like(param) * 0.3)
-        dirs[name] = tmp_path_factory.mktemp(f"lora-{name}")
-        model.save_pretrained(str(dirs[name]))
-    return dirs
+    return {name: write_peft_adapter(tiny_dir, tmp_path_factory.mktemp(f"lora-{name}"), rank, alpha, targets,
+                                     rslora, seed=100 + seed)
+            for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items())}
 
 
 def _prompts(count: int, seed: int = 7) -> list[list[int]]:
@@ -60,16 +43,7 @@ def _prompts(count: int, seed: int = 7) -> list[list[int]]:
 
 
 def _peft_greedy(tiny_dir: Path, adapter_dir: Path | None, prompt: list[int]) -> list[int]:
-    from peft import PeftModel
-
-    model = _hf_base(tiny_dir)
-    if adapter_dir is not None:
-        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
-    tokens = list(prompt)
-    with torch.inference_mode():
-        for _ in range(MAX_TOKENS):
-            tokens.append(int(model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
-    return tokens[len(prompt):]
+    return peft_greedy(tiny_dir, adapter_dir, prompt, MAX_TOKENS)
 
 
 def _llm(tiny_dir: Path, adapters: dict[str, Path], **options) -> LLM:

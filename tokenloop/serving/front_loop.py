@@ -196,7 +196,7 @@ class FrontLoop:
             params = dataclasses.replace(params, max_tokens=max(1, e.max_model_len - len(ids)))
         text = spec.prompt if isinstance(spec.prompt, str) else None
         return self.outputs.add(spec.request_id, text, ids, params, e.clock(), priority=spec.priority,
-                                user=spec.user, cache_salt=spec.cache_salt)
+                                user=spec.user, cache_salt=spec.cache_salt, lora_name=spec.lora_name)
 
     def _answer(self, result: CallResult) -> None:
         from tokenloop.serving import async_engine as ae
