@@ -17,7 +17,7 @@ def hf_base(base_dir: Path):  # noqa: ANN201 - a transformers model
 
 def write_peft_adapter(base_dir: Path, out_dir: Path, rank: int, alpha: float, targets: list[str],
                        rslora: bool = False, seed: int = 0) -> Path:
-    """A PEFT LoRA directory with random A and B (PEFT's own init leaves B zero: the adapter would do nothing)."""
+    """A PEFT LoRA directory with random A and B (PEFT's own init leaves B zero: an adapter doing nothing)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)

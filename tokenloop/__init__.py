@@ -23,8 +23,8 @@ _EXPORTS = {"LLM": "tokenloop.llm", "LLMEngine": "tokenloop.engine", "RequestOut
             "EngineConfig": "tokenloop.config", "CacheConfig": "tokenloop.config",
             "SchedulerConfig": "tokenloop.config", "LoRARequest": "tokenloop.request"}
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "CacheConfig", "SchedulerConfig", "RequestOutput", "CompletionOutput",
-           "LoRARequest"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "CacheConfig", "SchedulerConfig",
+           "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 

@@ -212,10 +212,10 @@ class SpeculativeConfig:
 class LoRAConfig:
     """LoRA adapters served on the base model (vLLM's --enable-lora family of options)."""
 
-    adapters: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start: a PEFT directory or a GGUF LoRA
-    max_loras: int = 4  # adapters resident at once (least recently used swapped out); a step uses at most this
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start: PEFT directory or GGUF LoRA
+    max_loras: int = 4  # adapters resident at once (least recently used swapped out), at most in a step
     max_lora_rank: int = 16  # every adapter is padded to this rank; a higher rank is refused at load
-    # Loading and unloading at run time (POST /v1/load_lora_adapter): only from under this directory; None: off.
+    # Loading and unloading at run time (POST /v1/load_lora_adapter): from under this directory; None: off.
     lora_dir: str | None = None
 
     def __post_init__(self) -> None:

@@ -118,8 +118,9 @@ class LLMEngine:
         arrival_ns: int | None = None,
         lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a request (text or token ids), with a LoRA adapter if `lora_request` names one. Returns its id.
-        Raises InvalidRequestError (AdapterNotFoundError for an adapter not served) / CapacityError."""
+        """Queue a request (text or token ids), with the LoRA adapter `lora_request` names if given. Returns
+        its id. Raises InvalidRequestError (AdapterNotFoundError for an adapter not served) /
+        CapacityError."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{self._request_counter}"
@@ -144,7 +145,8 @@ class LLMEngine:
         served = self.core.adapters
         if served is not None and lora_request.lora_path is not None \
                 and lora_request.lora_name not in served.names:
-            served.load(lora_request.lora_name, lora_request.lora_path, at_start=True)  # the caller's own path
+            # The caller's own path, as vLLM's LLM loads it: no allowed-directory check offline.
+            served.load(lora_request.lora_name, lora_request.lora_path, at_start=True)
         return lora_request.lora_name
 
     def unload_lora(self, name: str) -> list[RequestOutput]:

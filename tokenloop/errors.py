@@ -67,4 +67,5 @@ class AdapterLoadError(ModelLoadError):
 
 
 class AdapterNotFoundError(InvalidRequestError):
-    """A request (or an unload) named a LoRA adapter this engine does not serve (HTTP 404, model_not_found)."""
+    """A request (or an unload) named a LoRA adapter this engine does not serve (HTTP 404,
+    model_not_found)."""

@@ -44,8 +44,8 @@ class LLM:
         params = self._params_for(batch, sampling_params)
         if priority is not None and len(priority) != len(batch):
             raise InvalidRequestError(f"got {len(priority)} priorities for {len(batch)} prompts", param="priority")
-        adapters = ([lora_request] * len(batch) if lora_request is None or isinstance(lora_request, LoRARequest)
-                    else list(lora_request))
+        one = lora_request is None or isinstance(lora_request, LoRARequest)
+        adapters = [lora_request] * len(batch) if one else list(lora_request)  # type: ignore[arg-type]
         if len(adapters) != len(batch):
             raise InvalidRequestError(f"got {len(adapters)} LoRA requests for {len(batch)} prompts",
                                       param="lora_request")
@@ -108,7 +108,8 @@ class LLM:
             return self.engine.add_request(request_id, prompt.get("prompt"), params,
                                            prompt_token_ids=prompt.get("prompt_token_ids"), priority=priority,
                                            lora_request=lora_request)
-        return self.engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
+        return self.engine.add_request(request_id, prompt, params, priority=priority,
+                                       lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

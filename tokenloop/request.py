@@ -37,7 +37,7 @@ def default_clock() -> int:
 @dataclass(frozen=True)
 class LoRARequest:
     """Run a request with a LoRA adapter (vLLM's LoRARequest): by name, loaded from `lora_path` if the engine
-    does not serve that name yet (offline `LLM` only; a server loads adapters at start or by its admin route)."""
+    does not serve that name yet (offline `LLM` only; a server loads adapters at start or by its route)."""
 
     lora_name: str
     lora_int_id: int = 0  # vLLM's numeric id: accepted for compatibility, the name identifies the adapter
@@ -45,9 +45,9 @@ class LoRARequest:
 
 
 def adapter_cache_salt(cache_salt: str | None, lora_name: str | None) -> str | None:
-    """The salt a request's blocks are hashed with: its own, and its LoRA adapter's name, so a prefix hit never
-    crosses adapters (the same tokens under another adapter have other K/V). Applied once, where a request
-    enters the engine, so the router, handoffs and KV events all see the same hashes."""
+    """The salt a request's blocks are hashed with: its own, and its LoRA adapter's name, so a prefix hit
+    never crosses adapters (the same tokens under another adapter have other K/V). Applied once, where a
+    request enters the engine, so the router, handoffs and KV events all see the same hashes."""
     if lora_name is None:
         return cache_salt
     return f"{cache_salt or ''}\x00lora:{lora_name}"

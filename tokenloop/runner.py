@@ -274,7 +274,8 @@ class ModelRunner:
             return None
         assert self.adapters is not None
         slot_of = self.adapters.slots_for(name for name in names if name is not None)
-        row_slots = np.fromiter((-1 if name is None else slot_of[name] for name in names), np.int64, len(names))
+        row_slots = np.fromiter((-1 if name is None else slot_of[name] for name in names), np.int64,
+                                len(names))
         return self.adapters.batch(row_slots[token_rows])
 
     @staticmethod

@@ -1,5 +1,6 @@
-"""LoRA adapters against HF transformers + PEFT on the tiny random Llama (fp32): greedy tokens, alone and in one
-batch with other adapters and the base model; GGUF adapters; clear errors at load; prefix isolation; unload."""
+"""LoRA adapters against HF transformers + PEFT on the tiny random Llama (fp32): greedy tokens, alone and in
+one batch with other adapters and the base model; GGUF adapters; clear errors at load; prefix isolation;
+unload."""
 
 from __future__ import annotations
 
@@ -83,8 +84,8 @@ def test_fused_cpu_path_equals_op_path(tiny_dir: Path, adapter_dirs: dict[str, P
         if not fused:
             llm.engine.model.fused_ops = None
             llm.engine.model.fused_decode = False
-        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(), lora_request=requests,
-                                                                       use_tqdm=False)])
+        outputs = llm.generate(prompts, _greedy(), lora_request=requests, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in outputs])
     assert results[0] == results[1]
 
 
@@ -172,7 +173,8 @@ def test_unknown_adapter_and_unload(tiny_dir: Path, adapter_dirs: dict[str, Path
     finals = engine.unload_lora("a")
     assert [o.request_id for o in finals] == ["r1"]
     assert finals[0].finished and finals[0].outputs[0].finish_reason == "error"
-    assert "'a' was unloaded" in (finals[0].outputs[0].error or "")
+    ended = finals[0].outputs[0]
+    assert "'a' was unloaded" in (ended.error or "") and ended.error_param == "model"
     while engine.has_unfinished_requests():  # the base model's request goes on
         outputs = engine.step()
     assert outputs[0].request_id == "r2" and outputs[0].outputs[0].finish_reason == "length"
@@ -195,6 +197,17 @@ def test_load_errors_are_clear(tiny_dir: Path, adapter_dirs: dict[str, Path], tm
     (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(AdapterLoadError, match="cannot read safetensors"):
         load_adapter("x", broken, config, 16)
+    from safetensors.torch import load_file, save_file
+
+    poisoned = tmp_path / "poisoned"
+    poisoned.mkdir()
+    (poisoned / "adapter_config.json").write_text((adapter_dirs["a"] / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter_dirs["a"] / "adapter_model.safetensors"))
+    key = next(k for k in sorted(tensors) if ".layers.1.mlp.up_proj.lora_B" in k)
+    tensors[key][3, 2] = float("nan")
+    save_file(tensors, str(poisoned / "adapter_model.safetensors"))
+    with pytest.raises(AdapterLoadError, match="layer 1 up_proj: holds NaN or infinite values"):
+        load_adapter("x", poisoned, config, 16)
     other = write_tiny_llama(tmp_path / "wider", seed=1)
     wide = json.loads((other / "config.json").read_text()) | {"intermediate_size": 96}
     (other / "config.json").write_text(json.dumps(wide))
@@ -203,3 +216,33 @@ def test_load_errors_are_clear(tiny_dir: Path, adapter_dirs: dict[str, Path], tm
     with pytest.raises(AdapterLoadError, match="not a GGUF LoRA adapter|GGUF"):
         (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\x00" * 8)
         load_adapter("x", tmp_path / "junk.gguf", config, 16)
+
+
+def test_handoff_carries_the_adapter(tiny_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """A request handed mid-decode to another engine core goes on with its adapter (tokens = PEFT's); a core
+    that does not serve the adapter refuses the snapshot, naming it."""
+    from tokenloop.config import build_engine_config
+    from tokenloop.core.engine_core import EngineCore
+    from tokenloop.core.messages import CoreRequest
+    from tokenloop.request import adapter_cache_salt
+
+    def core(adapters: dict[str, Path]) -> EngineCore:
+        return EngineCore(build_engine_config(str(tiny_dir), dtype="float32", block_size=4, num_blocks=64,
+                                              lora_modules={k: str(v) for k, v in adapters.items()}))
+
+    prompt = _prompts(2, seed=23)[1]
+    source, stranger = core(adapter_dirs), core({"a": adapter_dirs["a"]})
+    target = core({"c": adapter_dirs["c"], "b": adapter_dirs["b"]})
+    source.add_requests([CoreRequest("r", prompt, _greedy(), 0, cache_salt=adapter_cache_salt(None, "b"),
+                                     lora_name="b")])
+    tokens: list[int] = []
+    while len(tokens) < 3:
+        tokens += [t for out in source.step().outputs for t in out.new_token_ids]
+    snapshot = source.export_request("r")
+    refused = stranger.import_request(snapshot)
+    assert not refused.accepted and "'b'" in (refused.reason or "")
+    assert target.import_request(snapshot).accepted
+    assert source.complete_export(snapshot.lease_id)
+    while target.has_unfinished_requests():
+        tokens += [t for out in target.step().outputs for t in out.new_token_ids]
+    assert tokens == _peft_greedy(tiny_dir, adapter_dirs["b"], prompt)

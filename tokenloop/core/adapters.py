@@ -1,7 +1,7 @@
 """The engine core's LoRA stage: which adapters this engine serves, loading and unloading them by name.
 
-The adapters themselves (read, checked, fused) are the model side's (model/lora.py), their resident slots and a
-step's products too (model/lora_slots.py); this stage decides what may be loaded (paths under the operator's
+The adapters themselves (read, checked, fused) are the model side's (model/lora.py), their resident slots and
+a step's products too (model/lora_slots.py); this stage decides what may be loaded (paths under the operator's
 `lora_dir` at run time), names adapters in errors the client can act on, and finds the requests an unload
 ends.
 """
@@ -39,7 +39,8 @@ class AdapterStage:
 
     def __init__(self, config: LoRAConfig, model: LlamaModel, dtype: torch.dtype) -> None:
         if type(model).decoder_layers is not LlamaModel.decoder_layers:
-            raise ConfigError(f"LoRA adapters run on Llama-family layers; {model.config.architecture} has its own")
+            raise ConfigError(f"LoRA adapters run on Llama-family layers; {model.config.architecture} "
+                              "has its own")
         self.config = config
         self.model_config = model.config
         self.slots = AdapterSlots(model.config, config.max_loras, config.max_lora_rank, dtype, model.device)
@@ -52,8 +53,9 @@ class AdapterStage:
 
     def describe(self) -> list[dict[str, object]]:
         """Each served adapter: name, path, rank, targets, load time (for /v1/models and the CLI)."""
-        return [{"name": a.name, "path": a.path, "rank": a.rank, "scaling": a.scaling, "targets": list(a.targets),
-                 "load_ms": round(a.load_s * 1e3, 2), "resident": a.name in self.slots.resident}
+        return [{"name": a.name, "path": a.path, "rank": a.rank, "scaling": a.scaling,
+                 "targets": list(a.targets), "load_ms": round(a.load_s * 1e3, 2),
+                 "resident": a.name in self.slots.resident}
                 for a in self.slots.registered.values()]
 
     def require(self, name: str) -> None:

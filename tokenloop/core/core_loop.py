@@ -244,7 +244,7 @@ class CoreLoop:
         self._parked = still
 
     def _call(self, call: UtilityCall) -> CallResult:
-        if call.name == "unload_lora":  # its adapter's unfinished requests end: their finals go out next frame
+        if call.name == "unload_lora":  # its adapter's unfinished requests end: finals go out next frame
             try:
                 finals = self.core.unload_lora(*call.args)
             except Exception as exc:  # noqa: BLE001 - the caller raises it again

@@ -108,7 +108,8 @@ class EngineCore:
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         self.adapters = None if config.lora is None or self.model is None else AdapterStage(
             config.lora, self.model, adapter_dtype(self.dtype_choice))
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock, proposer=proposer,
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock,
+                                   proposer=proposer,
                                    max_loras=config.lora.max_loras if self.adapters is not None else 0)
         self.runner = (ModelRunner(self.model, num_blocks, block_size,
                                    self.adapters.slots if self.adapters is not None else None)
@@ -147,8 +148,8 @@ class EngineCore:
             raise InvalidRequestError("the engine core takes one sample per request (n=1)", param="n")
         if request.lora_name is not None:
             if self.adapters is None:
-                raise AdapterNotFoundError(f"The model {request.lora_name!r} does not exist: this engine serves "
-                                           "no LoRA adapters", param="model")
+                raise AdapterNotFoundError(f"The model {request.lora_name!r} does not exist: this engine "
+                                           "serves no LoRA adapters", param="model")
             self.adapters.require(request.lora_name)
         self.sampler.validate(request.params)
 
@@ -230,12 +231,14 @@ class EngineCore:
         """Stop serving `name`: its unfinished requests end now with an error saying so (their finals are
         returned); later requests naming it get 404."""
         if self.adapters is None:
-            raise AdapterNotFoundError(f"The model {name!r} does not exist: this engine serves no LoRA adapters",
-                                       param="model")
+            raise AdapterNotFoundError(f"The model {name!r} does not exist: this engine serves no LoRA "
+                                       "adapters", param="model")
         self.adapters.require(name)
         ending = self.lora_in_flight(name)
-        for request_id in ending:
-            self._requests[request_id].error = f"the LoRA adapter {name!r} was unloaded while this request ran"
+        for request_id in ending:  # blamed on `model`: the client is told why (a 4xx naming it), not a 500
+            request = self._requests[request_id]
+            request.error = f"the LoRA adapter {name!r} was unloaded while this request ran"
+            request.error_param = "model"
         finals = self.finish_requests(ending, "error")
         self.adapters.unload(name)
         return finals

@@ -292,7 +292,8 @@ class HandoffStage:
         now = self.clock()
         request = Request(state.request_id, state.prompt_token_ids, state.params, now - state.age_ns,
                           prompt=state.prompt, priority=state.priority, user=state.user,
-                          cache_salt=state.cache_salt, eos_token_id=self.eos_token_id, lora_name=state.lora_name)
+                          cache_salt=state.cache_salt, eos_token_id=self.eos_token_id,
+                          lora_name=state.lora_name)
         for token in state.output_token_ids:
             request.append_output_token(token)
         times = request.times
@@ -359,4 +360,5 @@ def _state_of(request: Request, now: int, charge: float, num_prompt_logprobs_sen
         generator.get_state().numpy().tobytes() if generator is not None else None,
         now - times.arrival, None if times.first_scheduled is None else now - times.first_scheduled,
         None if times.first_token is None else now - times.first_token, [now - t for t in times.token_times],
-        request.num_cached_tokens, request.num_preemptions, charge, num_prompt_logprobs_sent, request.lora_name)
+        request.num_cached_tokens, request.num_preemptions, charge, num_prompt_logprobs_sent,
+        request.lora_name)

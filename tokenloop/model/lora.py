@@ -1,10 +1,9 @@
-"""LoRA adapters: read from a PEFT directory or a llama.cpp GGUF LoRA, checked against the base model, and held
-in the fused forms the model runs (Q/K/V and gate/up are one matrix each, models/llama.py LayerWeights).
+"""LoRA adapters: read from a PEFT directory or a llama.cpp GGUF LoRA and checked against the base model.
 
 An adapter's output adds on top of its base projection's: `x @ A.T @ B.T * scaling`, with the scaling folded
-into B. For a fused projection the sub-projections' A matrices are stacked ([n * r, in]) and their B matrices
-form a block-diagonal [out, n * r], so one pair of GEMMs serves all of them. An adapter of a rank below the
-engine's `max_lora_rank` is padded with zeros to it, so every resident adapter has the same shape.
+into B. The model fuses Q/K/V and gate/up into one matrix each (models/llama.py LayerWeights); a resident
+adapter is fused the same way when it is loaded into a slot (model/lora_slots.py): the sub-projections' A
+matrices stacked, their B matrices block-diagonal, so one pair of GEMMs serves all of them.
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 }
 _MODULE_PREFIX = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                   "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-_PEFT_TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
-                          r"(?:\.default)?\.weight$")
+_PEFT_TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+                          r"\.lora_([AB])(?:\.default)?\.weight$")
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -45,10 +44,11 @@ def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 @dataclass
 class LoRAAdapter:
-    """One adapter, checked against the base model, in the fused forms the model runs.
+    """One adapter, checked against the base model.
 
-    `layers[i][fused]` is (A [n * max_rank, in], B [out, n * max_rank]) with the scaling in B, or absent where
-    the adapter leaves that fused projection of layer i alone."""
+    `layers[i][module]` is (A [rank, in], B [out, rank]) with the scaling in B, for each projection (q_proj,
+    ...) the adapter adapts in layer i. Loading it into a slot (model/lora_slots.py) fuses them as the base
+    model's projections are fused."""
 
     name: str
     path: str
@@ -56,19 +56,20 @@ class LoRAAdapter:
     scaling: float
     targets: tuple[str, ...]  # the projections it adapts (q_proj, ...)
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
-    load_s: float = 0.0  # reading, checking and fusing, for the load-time figure
+    load_s: float = 0.0  # reading and checking, for the load-time figure
 
     @property
     def num_bytes(self) -> int:
         return sum(a.nbytes + b.nbytes for layer in self.layers for a, b in layer.values())
 
 
-# ---- reading: PEFT directory / GGUF LoRA --------------------------------------------------------------------
+# ---- reading: PEFT directory / GGUF LoRA ------------------------------------------------------------
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int,
                  dtype: torch.dtype = torch.float32) -> LoRAAdapter:
     """Read an adapter (a PEFT directory, or a GGUF LoRA file) for a base model of `config`; raises
-    AdapterLoadError naming what is wrong (missing or corrupt files, another model's shapes, rank too high)."""
+    AdapterLoadError naming what is wrong (missing or corrupt files, another model's shapes, too high a
+    rank)."""
     begin = time.perf_counter()
     location = Path(path)
     if location.is_dir():
@@ -80,12 +81,13 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     if rank > max_rank:
         raise AdapterLoadError(f"adapter {name!r} has rank {rank}, above this server's max_lora_rank "
                                f"{max_rank}: raise --max-lora-rank to serve it")
-    layers = _fuse(name, tensors, config, rank, scaling, max_rank, dtype)
+    layers = _scaled(name, tensors, config, scaling, dtype)
     targets = tuple(sorted({module for _, module in tensors}))
     return LoRAAdapter(name, str(location), rank, scaling, targets, layers, time.perf_counter() - begin)
 
 
-Tensors = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A [r, in], B [out, r])
+# (layer, module) -> (A [r, in], B [out, r])
+Tensors = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _read_peft(directory: Path, config: ModelConfig) -> tuple[int, float, Tensors]:
@@ -154,8 +156,8 @@ def _read_gguf(file: Path, config: ModelConfig) -> tuple[int, float, Tensors]:
         raise AdapterLoadError(str(exc)) from exc
     meta = gguf.metadata
     if meta.get("general.type") != "adapter" or meta.get("adapter.type", "lora") != "lora":
-        raise AdapterLoadError(f"{file}: not a GGUF LoRA adapter (general.type = {meta.get('general.type')!r}, "
-                               "expected 'adapter' with adapter.type 'lora')")
+        raise AdapterLoadError(f"{file}: not a GGUF LoRA adapter (general.type = "
+                               f"{meta.get('general.type')!r}, expected 'adapter' with adapter.type 'lora')")
     arch = meta.get("general.architecture")
     base_arch = registry.architecture(config.architecture, str(file))
     if arch != base_arch.gguf_arch:
@@ -208,33 +210,21 @@ def _pairs(where: str, halves: dict[tuple[int, str], dict[str, torch.Tensor]], c
             raise AdapterLoadError(f"{label}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base "
                                    f"model's {out_features}x{in_features} projection at rank {rank} "
                                    "(an adapter of another base model?)")
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterLoadError(f"{label}: holds NaN or infinite values")
         pairs[(layer, module)] = (a.float(), b.float())
+    # One finiteness check over everything (a check per tensor costs more than reading them); then find it.
+    if pairs and not torch.isfinite(torch.cat([t.reshape(-1) for pair in pairs.values() for t in pair])).all():
+        (layer, module), _ = next(item for item in pairs.items()
+                                  if not all(torch.isfinite(t).all() for t in item[1]))
+        raise AdapterLoadError(f"{where}: layer {layer} {module}: holds NaN or infinite values")
     return pairs
 
 
-def _fuse(name: str, tensors: Tensors, config: ModelConfig, rank: int, scaling: float, max_rank: int,
-          dtype: torch.dtype) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """Per layer, per fused projection: stacked A [n * max_rank, in] and block-diagonal B [out, n * max_rank]."""
-    shapes = projection_shapes(config)
+def _scaled(name: str, tensors: Tensors, config: ModelConfig, scaling: float,
+            dtype: torch.dtype) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Per layer, per adapted projection: (A [r, in], B * scaling [out, r]) in `dtype`."""
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(config.num_layers)]
-    for index, fused in enumerate(layers):
-        for kind, modules in FUSED_PROJECTIONS.items():
-            if not any((index, module) in tensors for module in modules):
-                continue
-            in_features = shapes[modules[0]][1]
-            outs = [shapes[module][0] for module in modules]
-            a = torch.zeros(len(modules) * max_rank, in_features)
-            b = torch.zeros(sum(outs), len(modules) * max_rank)
-            row = 0
-            for part, (module, out) in enumerate(zip(modules, outs)):
-                pair = tensors.get((index, module))
-                if pair is not None:
-                    a[part * max_rank:part * max_rank + rank] = pair[0]
-                    b[row:row + out, part * max_rank:part * max_rank + rank] = pair[1] * scaling
-                row += out
-            fused[kind] = (a.to(dtype), b.to(dtype))
+    for (index, module), (a, b) in tensors.items():
+        layers[index][module] = (a.to(dtype), (b * scaling).to(dtype))
     if not any(layers):
         raise AdapterLoadError(f"adapter {name!r} adapts no projection")
     return layers

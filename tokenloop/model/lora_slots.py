@@ -30,6 +30,7 @@ class AdapterSlots:
                  device: str | torch.device = "cpu") -> None:
         self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
         shapes = projection_shapes(config)
+        self.out_features = {module: out for module, (out, _) in shapes.items()}
         self.width = {kind: len(modules) * max_rank for kind, modules in FUSED_PROJECTIONS.items()}
         self.a: list[dict[str, torch.Tensor]] = []
         self.bt: list[dict[str, torch.Tensor]] = []
@@ -52,7 +53,7 @@ class AdapterSlots:
         return list(self._slot_of)
 
     def register(self, adapter: LoRAAdapter) -> None:
-        """Serve `adapter` under its name (replacing one of the same name: its slot is reloaded on next use)."""
+        """Serve `adapter` under its name (replacing one of that name: its slot is reloaded on next use)."""
         self.unregister(adapter.name)
         self.registered[adapter.name] = adapter
 
@@ -87,16 +88,25 @@ class AdapterSlots:
         return self._slot_of.pop(victim)
 
     def _load(self, adapter: LoRAAdapter, slot: int) -> None:
-        for index, fused in enumerate(adapter.layers):
-            for kind, width in self.width.items():
-                rows = slice(slot * width, (slot + 1) * width)
-                pair = fused.get(kind)
-                if pair is None:  # not adapted: its columns must add nothing
-                    self.a[index][kind][rows].zero_()
-                    self.bt[index][kind][rows].zero_()
-                else:
-                    self.a[index][kind][rows].copy_(pair[0])
-                    self.bt[index][kind][rows].copy_(pair[1].T)
+        """Copy an adapter into a slot, fused as the base projections are: per fused projection, each
+        sub-projection's A in its own `max_rank` rows, its B (transposed) in the same rows and its own output
+        columns; everything it does not adapt (and the padding past its rank) zero."""
+        rank = adapter.rank
+        for index, modules in enumerate(adapter.layers):
+            for kind, parts in FUSED_PROJECTIONS.items():
+                width = self.width[kind]
+                a, bt = self.a[index][kind], self.bt[index][kind]
+                a[slot * width:(slot + 1) * width].zero_()
+                bt[slot * width:(slot + 1) * width].zero_()
+                column = 0
+                for part, module in enumerate(parts):
+                    out_features = self.out_features[module]
+                    pair = modules.get(module)
+                    if pair is not None:
+                        first = slot * width + part * self.max_rank
+                        a[first:first + rank].copy_(pair[0])
+                        bt[first:first + rank, column:column + out_features].copy_(pair[1].T)
+                    column += out_features
         self._slot_of[adapter.name] = slot
         self.num_loads += 1
 
@@ -128,7 +138,8 @@ class LoRABatch:
         return mask
 
     def add_(self, out: torch.Tensor, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
-        """out [T, out] += each row's adapter's x @ A.T @ B.T for projection `kind` of `layer`; returns out."""
+        """out [T, out] += each row's adapter's x @ A.T @ B.T for projection `kind` of `layer`; returns
+        out."""
         width = self.slots.width[kind]
         used = slice(self.lo * width, self.hi * width)
         a, bt = self.slots.a[layer][kind][used], self.slots.bt[layer][kind][used]

@@ -56,8 +56,9 @@ class OpenAIServing(CompletionsServing, ChatServing):
     """Every endpoint's logic on one shared base: one executor, one token-text cache, one set of checks."""
 
 
-def _json(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+def _json(model: BaseModel, status: int = 200, exclude_none: bool = False) -> Response:
+    return Response(model.model_dump_json(exclude_none=exclude_none), status_code=status,
+                    media_type="application/json")
 
 
 _LIST_CHUNK = 16_384  # list items serialized per call: ~1-2 ms of GIL each
@@ -168,12 +169,13 @@ def create_app(
 
     @v1.get("/models")
     async def list_models() -> Response:
-        return _json(serving.models())
+        return _json(serving.models(), exclude_none=True)  # the base model's card: OpenAI's four fields
 
     @v1.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
         adapter = serving.check_model(model_id)
-        return _json(next(card for card in serving.models().data if card.id == (adapter or serving.model_name)))
+        wanted = adapter or serving.model_name
+        return _json(next(card for card in serving.models().data if card.id == wanted), exclude_none=True)
 
     @v1.post("/completions")
     async def create_completion(raw: Request) -> Response:

@@ -285,6 +285,6 @@ class ServingBase:
 
     def models(self) -> ModelList:
         """The base model, then each LoRA adapter with the base model as its parent."""
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, root=self.model_name),
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created),
                                *(ModelCard(id=name, created=self.created, root=path, parent=self.model_name)
                                  for name, path in self.lora_adapters.items())])

@@ -315,7 +315,7 @@ class FrontLoop:
                 reason = request_finish_reason(output)
                 e._count_finished(reason)
                 if metrics is not None:
-                    metrics.observe_finished(reason, output.metrics)
+                    metrics.observe_finished(reason, output.metrics, live.spec.lora_name)
             deliveries.append((live.stream, output))
         self._deliver(deliveries)
 

@@ -35,9 +35,9 @@ def make_lora_router(serving: ServingBase, json_body: Callable[[Request], Awaita
     def require_runtime_updates() -> None:
         lora = serving.async_engine.config.lora
         if lora is None or lora.lora_dir is None:
-            raise APIError(403, "loading and unloading LoRA adapters at run time is off on this server (start it "
-                           "with --lora-dir DIR to allow adapters from DIR)", "permission_error", None,
-                           "lora_runtime_updates_disabled")
+            raise APIError(403, "loading and unloading LoRA adapters at run time is off on this server "
+                           "(start it with --lora-dir DIR to allow adapters from DIR)", "permission_error",
+                           None, "lora_runtime_updates_disabled")
 
     def name_of(body: dict[str, Any]) -> str:
         name = body.get("lora_name")
