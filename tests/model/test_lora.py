@@ -246,3 +246,13 @@ def test_handoff_carries_the_adapter(tiny_dir: Path, adapter_dirs: dict[str, Pat
     while target.has_unfinished_requests():
         tokens += [t for out in target.step().outputs for t in out.new_token_ids]
     assert tokens == _peft_greedy(tiny_dir, adapter_dirs["b"], prompt)
+
+
+def test_offline_lora_request_loads_its_path(tiny_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """vLLM's offline form: LLM(enable_lora=True), and LoRARequest(name, id, path) loads it on first use."""
+    prompt = _prompts(1, seed=29)[0]
+    llm = LLM(str(tiny_dir), dtype="float32", enable_lora=True, max_lora_rank=16, block_size=4, num_blocks=64)
+    request = LoRARequest("d", 1, str(adapter_dirs["d"]))
+    output = llm.generate([prompt], _greedy(), lora_request=request, use_tqdm=False)[0]
+    assert output.outputs[0].token_ids == _peft_greedy(tiny_dir, adapter_dirs["d"], prompt)
+    assert [a["name"] for a in llm.engine.core.list_loras()] == ["d"]
