@@ -15,17 +15,17 @@ if TYPE_CHECKING:
     from tokenloop.engine import LLMEngine
     from tokenloop.llm import LLM
     from tokenloop.outputs import CompletionOutput, RequestOutput
-    from tokenloop.request import SamplingParams
+    from tokenloop.request import LoRARequest, SamplingParams
 
 # Imported when first named: `import tokenloop.cli` must not import torch (~1.6 s), so that `tokenloop
 # serve` can start its engine core process before this process imports the server's own modules.
 _EXPORTS = {"LLM": "tokenloop.llm", "LLMEngine": "tokenloop.engine", "RequestOutput": "tokenloop.outputs",
             "CompletionOutput": "tokenloop.outputs", "SamplingParams": "tokenloop.request",
             "EngineConfig": "tokenloop.config", "CacheConfig": "tokenloop.config",
-            "SchedulerConfig": "tokenloop.config"}
+            "SchedulerConfig": "tokenloop.config", "LoRARequest": "tokenloop.request"}
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "CacheConfig", "SchedulerConfig", "RequestOutput",
-           "CompletionOutput"]
+           "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 

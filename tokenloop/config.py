@@ -209,6 +209,24 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served on the base model (vLLM's --enable-lora family of options)."""
+
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start: PEFT directory or GGUF LoRA
+    max_loras: int = 4  # adapters resident at once (least recently used swapped out), at most in a step
+    max_lora_rank: int = 16  # every adapter is padded to this rank; a higher rank is refused at load
+    # Loading and unloading at run time (POST /v1/load_lora_adapter): from under this directory; None: off.
+    lora_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        names = [name for name, _ in self.adapters]
+        _require(len(set(names)) == len(names), f"LoRA adapter names must be unique, got {names}")
+        _require(all(name and path for name, path in self.adapters), "a LoRA adapter needs a name and a path")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to run one model: model source, device, dtype and the budgets."""
 
@@ -228,6 +246,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    lora: LoRAConfig | None = None  # None: no adapters
 
     def __post_init__(self) -> None:
         _require(self.device == "cpu" or self.device == "cuda" or
@@ -285,6 +304,7 @@ _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler", "model"}
 _ALIASES = {"num_kv_blocks": "num_blocks", "num_gpu_blocks_override": "num_blocks",
             "speculative_config": "speculative"}
+_LORA_FIELDS = {"enable_lora", "max_loras", "max_lora_rank", "lora_modules", "lora_dir"}
 
 
 def build_engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:
@@ -292,8 +312,12 @@ def build_engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConf
     cache: dict[str, Any] = {}
     scheduler: dict[str, Any] = {}
     engine: dict[str, Any] = {}
+    lora: dict[str, Any] = {}
     for key, value in kwargs.items():
         key = _ALIASES.get(key, key)
+        if key in _LORA_FIELDS:
+            lora[key] = value
+            continue
         if key == "speculative" and isinstance(value, dict):  # vLLM's speculative_config={"method": "ngram", ...}
             value = _speculative_config(value)
         if key in _CACHE_FIELDS:
@@ -303,8 +327,13 @@ def build_engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConf
         elif key in _ENGINE_FIELDS:
             engine[key] = value
         else:
-            valid = sorted(_CACHE_FIELDS | _SCHEDULER_FIELDS | _ENGINE_FIELDS | set(_ALIASES))
+            valid = sorted(_CACHE_FIELDS | _SCHEDULER_FIELDS | _ENGINE_FIELDS | set(_ALIASES) | _LORA_FIELDS)
             raise ConfigError(f"unknown engine option {key!r}; valid options: {', '.join(valid)}")
+    if lora.pop("enable_lora", bool(lora)) or lora:
+        # lora_modules: {name: path} (or (name, path) pairs), as vLLM's --lora-modules
+        modules = lora.pop("lora_modules", None) or {}
+        pairs = tuple(modules.items()) if isinstance(modules, dict) else tuple(tuple(m) for m in modules)
+        engine["lora"] = LoRAConfig(adapters=pairs, **lora)
     return EngineConfig(model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**scheduler), **engine)
 
 

@@ -25,7 +25,7 @@ from tokenloop.errors import InvalidRequestError
 from tokenloop.model.loader import Checkpoint
 from tokenloop.observe.records import Observes
 from tokenloop.outputs import OutputProcessor, RequestOutput
-from tokenloop.request import Clock, FinishReason, SamplingParams, default_clock
+from tokenloop.request import Clock, FinishReason, LoRARequest, SamplingParams, default_clock
 from tokenloop.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -126,8 +126,11 @@ class LLMEngine:
         user: str | None = None,
         cache_salt: str | None = None,
         arrival_ns: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
-        """Queue a request (text or token ids). Returns its id. Raises InvalidRequestError / CapacityError."""
+        """Queue a request (text or token ids), with the LoRA adapter `lora_request` names if given. Returns
+        its id. Raises InvalidRequestError (AdapterNotFoundError for an adapter not served) /
+        CapacityError."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{self._request_counter}"
@@ -137,14 +140,28 @@ class LLMEngine:
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
         arrival = self.clock() if arrival_ns is None else arrival_ns
         text = prompt if isinstance(prompt, str) else None
+        lora_name = None if lora_request is None else self._adapter(lora_request)
         core_requests = self.outputs.add(request_id, text, ids, params, arrival, priority=priority, user=user,
-                                         cache_salt=cache_salt)
+                                         cache_salt=cache_salt, lora_name=lora_name)
         try:
             self.core.add_requests(core_requests)
         except Exception:
             self.outputs.forget(request_id)
             raise
         return request_id
+
+    def _adapter(self, lora_request: LoRARequest) -> str:
+        """The adapter's name, loading it from its path first when the engine does not serve it yet."""
+        served = self.core.adapters
+        if served is not None and lora_request.lora_path is not None \
+                and lora_request.lora_name not in served.names:
+            # The caller's own path, as vLLM's LLM loads it: no allowed-directory check offline.
+            served.load(lora_request.lora_name, lora_request.lora_path, at_start=True)
+        return lora_request.lora_name
+
+    def unload_lora(self, name: str) -> list[RequestOutput]:
+        """Stop serving adapter `name`; its unfinished requests end with an error saying so (their finals)."""
+        return self.outputs.process(CoreOutputs(self.core.unload_lora(name), self.clock(), 0)).outputs
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Cancel requests: their block references are released now and no step produces anything more

@@ -59,3 +59,13 @@ class ReplicaNotFoundError(TokenloopError):
 
 class ClusterConflictError(TokenloopError):
     """A cluster call that would break the cluster (draining the last replica that admits work; HTTP 409)."""
+
+
+class AdapterLoadError(ModelLoadError):
+    """A LoRA adapter could not be loaded: missing or corrupt files, another base model's shapes, a rank over
+    the limit, or options this engine does not run. The server keeps serving everything else."""
+
+
+class AdapterNotFoundError(InvalidRequestError):
+    """A request (or an unload) named a LoRA adapter this engine does not serve (HTTP 404,
+    model_not_found)."""

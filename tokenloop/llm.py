@@ -12,7 +12,7 @@ from tokenloop.engine import LLMEngine
 from tokenloop.errors import InvalidRequestError
 from tokenloop.model.loader import DEFAULT_MODEL, Checkpoint
 from tokenloop.outputs import RequestOutput
-from tokenloop.request import Clock, SamplingParams, default_clock
+from tokenloop.request import Clock, LoRARequest, SamplingParams, default_clock
 from tokenloop.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | dict[str, Any]
@@ -36,19 +36,26 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the prompts' order.
 
         A prompt is text, a list of token ids, or `{"prompt": ...}` / `{"prompt_token_ids": [...]}`.
+        `lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt.
         """
         batch = self._as_batch(prompts)
         params = self._params_for(batch, sampling_params)
         if priority is not None and len(priority) != len(batch):
             raise InvalidRequestError(f"got {len(priority)} priorities for {len(batch)} prompts", param="priority")
+        one = lora_request is None or isinstance(lora_request, LoRARequest)
+        adapters = [lora_request] * len(batch) if one else list(lora_request)  # type: ignore[arg-type]
+        if len(adapters) != len(batch):
+            raise InvalidRequestError(f"got {len(adapters)} LoRA requests for {len(batch)} prompts",
+                                      param="lora_request")
         ids = []
         try:
             for i, (prompt, sp) in enumerate(zip(batch, params)):
-                ids.append(self._add(prompt, sp, priority[i] if priority is not None else 0))
+                ids.append(self._add(prompt, sp, priority[i] if priority is not None else 0, adapters[i]))
         except Exception:
             self.engine.abort_request(ids)  # nothing half-submitted stays behind
             raise
@@ -96,13 +103,16 @@ class LLM:
                                       param="sampling_params")
         return list(sampling_params)
 
-    def _add(self, prompt: Prompt, params: SamplingParams, priority: int) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams, priority: int,
+             lora_request: LoRARequest | None = None) -> str:
         request_id = f"llm-{self._counter}"
         self._counter += 1
         if isinstance(prompt, dict):
             return self.engine.add_request(request_id, prompt.get("prompt"), params,
-                                           prompt_token_ids=prompt.get("prompt_token_ids"), priority=priority)
-        return self.engine.add_request(request_id, prompt, params, priority=priority)
+                                           prompt_token_ids=prompt.get("prompt_token_ids"), priority=priority,
+                                           lora_request=lora_request)
+        return self.engine.add_request(request_id, prompt, params, priority=priority,
+                                       lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
 from tokenloop.errors import InvalidRequestError
 from tokenloop.logprobs import TokenLogprobs
-from tokenloop.request import NS_PER_S, FinishReason, RequestTimes, SamplingParams
+from tokenloop.request import NS_PER_S, FinishReason, RequestTimes, SamplingParams, adapter_cache_salt
 from tokenloop.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             arrival_ns: int, *, priority: int = 0, user: str | None = None,
-            cache_salt: str | None = None) -> list[CoreRequest]:
+            cache_salt: str | None = None, lora_name: str | None = None) -> list[CoreRequest]:
         """Register a user request; returns its core requests (one per sample) for the caller to submit.
 
         If submitting fails, call `forget(request_id)`.
@@ -168,6 +168,7 @@ class OutputProcessor:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         samples: list[_Sample] = []
         core_requests: list[CoreRequest] = []
+        cache_salt = adapter_cache_salt(cache_salt, lora_name)
         for index in range(params.n):
             child_params = params
             if params.n > 1:  # each sample draws its own stream; a seed still makes the set reproducible
@@ -181,7 +182,7 @@ class OutputProcessor:
                                    logprobs=[] if wants_logprobs else None,
                                    cumulative_logprob=0.0 if wants_logprobs else None))
             core_requests.append(CoreRequest(core_id, prompt_token_ids, child_params, arrival_ns, prompt,
-                                             priority, user, cache_salt))
+                                             priority, user, cache_salt, lora_name=lora_name))
         group = _Group(request_id, prompt, prompt_token_ids, samples,
                        [None] if params.prompt_logprobs is not None else None)
         self._groups[request_id] = group

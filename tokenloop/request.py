@@ -34,6 +34,25 @@ def default_clock() -> int:
     return time.monotonic_ns()
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """Run a request with a LoRA adapter (vLLM's LoRARequest): by name, loaded from `lora_path` if the engine
+    does not serve that name yet (offline `LLM` only; a server loads adapters at start or by its route)."""
+
+    lora_name: str
+    lora_int_id: int = 0  # vLLM's numeric id: accepted for compatibility, the name identifies the adapter
+    lora_path: str | None = None
+
+
+def adapter_cache_salt(cache_salt: str | None, lora_name: str | None) -> str | None:
+    """The salt a request's blocks are hashed with: its own, and its LoRA adapter's name, so a prefix hit
+    never crosses adapters (the same tokens under another adapter have other K/V). Applied once, where a
+    request enters the engine, so the router, handoffs and KV events all see the same hashes."""
+    if lora_name is None:
+        return cache_salt
+    return f"{cache_salt or ''}\x00lora:{lora_name}"
+
+
 class RequestStatus(enum.StrEnum):
     """Where a request is in its life (the loop's words); equal to its value, so records travel as it."""
 
@@ -243,6 +262,7 @@ class Request:
         user: str | None = None,
         cache_salt: str | None = None,
         eos_token_id: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
@@ -254,7 +274,8 @@ class Request:
         self.sampling_params = sampling_params
         self.priority = priority
         self.user = user
-        self.cache_salt = cache_salt
+        self.cache_salt = cache_salt  # with the adapter folded in (`adapter_cache_salt`): hits stay within it
+        self.lora_name = lora_name  # the LoRA adapter it runs with; None: the base model
         self.eos_token_id = eos_token_id
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

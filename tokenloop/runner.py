@@ -22,6 +22,7 @@ import torch
 
 from tokenloop.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenloop.model.attention import AttentionMetadata
+from tokenloop.model.lora_slots import AdapterSlots, LoRABatch
 from tokenloop.model.models.llama import LlamaModel
 
 
@@ -125,8 +126,10 @@ class BlockTables:
 class ModelRunner:
     """Runs the model over the paged KV cache, one scheduler step at a time."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
+                 adapters: AdapterSlots | None = None) -> None:
         self.model = model
+        self.adapters = adapters  # the LoRA adapters served, and their resident slots
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = model.device
@@ -241,10 +244,12 @@ class ModelRunner:
         if device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
+        lora = self._lora_batch(scheduled, token_rows) if self.adapters is not None else None
         begin = time.perf_counter()
         logits = self.model.forward(
             torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.from_numpy(positions).to(device), meta, self.kv_caches, logits_index.to(device))
+            torch.from_numpy(positions).to(device), meta, self.kv_caches, logits_index.to(device),
+            *(() if lora is None else (lora,)))
         logits = logits.float()  # stays on the model's device: the sampler works there
         forward_s = time.perf_counter() - begin
         if events is not None:
@@ -260,6 +265,18 @@ class ModelRunner:
             return RunnerOutput(sample_indices.tolist(), logits.index_select(0, sample_rows), prompt_logits,
                                 forward_s, self.model.last_weight_form, events)
         return RunnerOutput(sample_indices.tolist(), logits, [], forward_s, self.model.last_weight_form, events)
+
+    def _lora_batch(self, scheduled: list[ScheduledRequest], token_rows: np.ndarray) -> LoRABatch | None:
+        """The step's adapter products: each token's adapter slot (loading adapters not resident), or None
+        when every row runs the base model."""
+        names = [item.request.lora_name for item in scheduled]
+        if not any(names):
+            return None
+        assert self.adapters is not None
+        slot_of = self.adapters.slots_for(name for name in names if name is not None)
+        row_slots = np.fromiter((-1 if name is None else slot_of[name] for name in names), np.int64,
+                                len(names))
+        return self.adapters.batch(row_slots[token_rows])
 
     @staticmethod
     def _logits_rows_with_prompts(output: SchedulerOutput, query_start_loc: np.ndarray,

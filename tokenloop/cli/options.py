@@ -86,6 +86,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="the KV cache's elements (default auto: bfloat16 under --dtype auto on the CPU, "
                             "halving the bytes decode attention reads; else the activations' dtype); attention "
                             "still sums in float32")
+    lora = parser.add_argument_group("LoRA adapters (a request names one in `model`)")
+    lora.add_argument("--lora", "--lora-modules", dest="lora", action="append", metavar="NAME=PATH",
+                      type=_lora_module, help="serve the adapter at PATH (a PEFT directory or a GGUF "
+                                              "LoRA) as model NAME; repeat for more")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (implied by --lora)")
+    lora.add_argument("--max-loras", type=positive_int,
+                      help="adapters resident at once; a step runs at most this many (least recently used "
+                           "swapped out; default 4)")
+    lora.add_argument("--max-lora-rank", type=positive_int, help="highest adapter rank served (default 16)")
+    lora.add_argument("--lora-dir", help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter, for "
+                                         "adapters under this directory (default: off)")
     spec = parser.add_argument_group("speculative decoding (n-gram prompt lookup; greedy requests only)")
     spec.add_argument("--speculative-method", choices=list(SPECULATIVE_METHODS),
                       help="turn speculative decoding on: ngram proposes drafts from the request's own tokens")
@@ -117,7 +128,21 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     speculative = _speculative_config(args)
     if speculative is not None:
         options["speculative"] = speculative
+    flags = (("lora", "lora_modules"), ("max_loras", "max_loras"), ("max_lora_rank", "max_lora_rank"),
+             ("lora_dir", "lora_dir"))
+    lora = {key: getattr(args, name, None) for name, key in flags}
+    lora = {key: value for key, value in lora.items() if value is not None}
+    if lora or getattr(args, "enable_lora", False):
+        options.update(lora, enable_lora=True)
     return options
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    """`--lora NAME=PATH` as (name, path)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
 
 
 def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:

@@ -117,6 +117,10 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "idle": lambda core: (core.has_unfinished_requests(), core.kv_cache.usage),
     "kv_facts": _kv_facts,
     "ping": lambda core: True,
+    # LoRA adapters (tokenloop.core.adapters); "unload_lora" ends requests, so CoreLoop runs it (_call).
+    "list_loras": lambda core: core.list_loras(),
+    "load_lora": lambda core, name, path: core.load_lora(name, path),
+    "lora_in_flight": lambda core, name: len(core.lora_in_flight(name)),
     "inject_step_delay": _inject_step_delay,  # fault injection: every step sleeps first (tests, the soak)
     "inject_layer_delay": _inject_layer_delay,  # fault injection: a slow model, progress per layer
     "inject_hang": _inject_hang,  # fault injection: the main thread hangs for good (the hang watch's test)
@@ -241,6 +245,13 @@ class CoreLoop:
         self._parked = still
 
     def _call(self, call: UtilityCall) -> CallResult:
+        if call.name == "unload_lora":  # its adapter's unfinished requests end: finals go out next frame
+            try:
+                finals = self.core.unload_lora(*call.args)
+            except Exception as exc:  # noqa: BLE001 - the caller raises it again
+                return CallResult(call.call_id, None, error_to_wire(exc))
+            self._finals.extend(finals)
+            return CallResult(call.call_id, len(finals))
         fn = UTILITIES.get(call.name)
         try:
             if fn is None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from tokenloop.config import EngineConfig
+from tokenloop.core.adapters import AdapterStage, adapter_dtype
 from tokenloop.core.handoff import HandoffStage, ImportResult, KVBlockData, KVSnapshot
 from tokenloop.core.heartbeat import Progress
 from tokenloop.core.isolation import Failure, Sampled, execute_isolated, sample_isolated
@@ -33,7 +34,7 @@ from tokenloop.core.recording import gauges, release_infos, step_record
 from tokenloop.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tokenloop.core.speculative import NgramProposer
 from tokenloop.core.update import StepUpdate, Updater, new_output, touch
-from tokenloop.errors import ConfigError, InvalidRequestError
+from tokenloop.errors import AdapterNotFoundError, ConfigError, InvalidRequestError
 from tokenloop.model.dtypes import CpuFeatures, DtypeChoice, build_model, require_device, resolve_dtype
 from tokenloop.model.loader import Checkpoint, load_checkpoint
 from tokenloop.observe.records import ArrivalRecord, ObserverSet, Observes, ReleaseInfo
@@ -106,12 +107,17 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                        events=self.kv_events)
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock, proposer=proposer)
+        self.adapters = None if config.lora is None or self.model is None else AdapterStage(
+            config.lora, self.model, adapter_dtype(self.dtype_choice))
+        max_loras = config.lora.max_loras if config.lora is not None and self.adapters is not None else 0
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock,
+                                   proposer=proposer, max_loras=max_loras)
         if stand_in is not None:
             self.runner = stand_in.make_runner(num_blocks, block_size)
         else:
             assert self.model is not None  # built above when nothing stands in for it
-            self.runner = ModelRunner(self.model, num_blocks, block_size)
+            self.runner = ModelRunner(self.model, num_blocks, block_size,
+                                      self.adapters.slots if self.adapters is not None else None)
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size)  # type: ignore[arg-type]
         self._requests: dict[str, Request] = {}  # unfinished requests by id
@@ -145,6 +151,11 @@ class EngineCore:
                                           param="prompt")
         if request.params.n != 1:
             raise InvalidRequestError("the engine core takes one sample per request (n=1)", param="n")
+        if request.lora_name is not None:
+            if self.adapters is None:
+                raise AdapterNotFoundError(f"The model {request.lora_name!r} does not exist: this engine "
+                                           "serves no LoRA adapters", param="model")
+            self.adapters.require(request.lora_name)
         self.sampler.validate(request.params)
 
     def add_requests(self, requests: Sequence[CoreRequest]) -> None:
@@ -160,7 +171,8 @@ class EngineCore:
             for spec, grammar in zip(requests, grammars):
                 request = Request(spec.request_id, spec.prompt_token_ids, spec.params, spec.arrival_ns,
                                   prompt=spec.prompt, priority=spec.priority, user=spec.user,
-                                  cache_salt=spec.cache_salt, eos_token_id=self.eos_token_id)
+                                  cache_salt=spec.cache_salt, eos_token_id=self.eos_token_id,
+                                  lora_name=spec.lora_name)
                 request.structured = grammar.new_matcher() if grammar is not None else None
                 if request.structured is not None and spec.structured_replay:
                     self.structured.replay(request, spec.structured_replay)
@@ -202,6 +214,39 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    # ---- LoRA adapters (tokenloop.core.adapters) ---------------------------------------------------
+
+    def list_loras(self) -> list[dict[str, object]]:
+        """The LoRA adapters this engine serves (name, path, rank, ...); empty without LoRA."""
+        return [] if self.adapters is None else self.adapters.describe()
+
+    def load_lora(self, name: str, path: str) -> dict[str, object]:
+        """Serve one more adapter, read from under the configured `lora_dir`; raises AdapterLoadError."""
+        if self.adapters is None:
+            raise ConfigError("this engine was started without LoRA: start it with --enable-lora or --lora")
+        adapter = self.adapters.load(name, path)
+        return {"name": adapter.name, "rank": adapter.rank, "load_ms": round(adapter.load_s * 1e3, 2)}
+
+    def lora_in_flight(self, name: str) -> list[str]:
+        """The unfinished requests running with adapter `name`."""
+        return [rid for rid, request in self._requests.items() if request.lora_name == name]
+
+    def unload_lora(self, name: str) -> list[CoreOutput]:
+        """Stop serving `name`: its unfinished requests end now with an error saying so (their finals are
+        returned); later requests naming it get 404."""
+        if self.adapters is None:
+            raise AdapterNotFoundError(f"The model {name!r} does not exist: this engine serves no LoRA "
+                                       "adapters", param="model")
+        self.adapters.require(name)
+        ending = self.lora_in_flight(name)
+        for request_id in ending:  # blamed on `model`: the client is told why (a 4xx naming it), not a 500
+            request = self._requests[request_id]
+            request.error = f"the LoRA adapter {name!r} was unloaded while this request ran"
+            request.error_param = "model"
+        finals = self.finish_requests(ending, FinishReason.ERROR)
+        self.adapters.unload(name)
+        return finals
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -61,6 +61,7 @@ class RequestState:
     num_preemptions: int
     fair_charge: float  # what its service cost its user's account at the source (fair-share policy)
     num_prompt_logprobs_sent: int = 0  # prompt logprobs already reported to its user
+    lora_name: str | None = None  # its LoRA adapter: the destination must serve it too
 
 
 @dataclass(slots=True)
@@ -265,6 +266,9 @@ class HandoffStage:
                 return f"other {name}: the snapshot's is {there!r}, this engine's {here!r}"
         if id_in_use:
             return f"duplicate id: request {state.request_id!r} is already in this engine"
+        served = getattr(self.runner, "adapters", None)
+        if state.lora_name is not None and (served is None or state.lora_name not in served.registered):
+            return f"this engine does not serve the LoRA adapter {state.lora_name!r}"
         vocab = self.vocab_size
         bad = [t for t in (*state.prompt_token_ids, *state.output_token_ids) if not 0 <= t < vocab]
         if bad:
@@ -288,7 +292,8 @@ class HandoffStage:
         now = self.clock()
         request = Request(state.request_id, state.prompt_token_ids, state.params, now - state.age_ns,
                           prompt=state.prompt, priority=state.priority, user=state.user,
-                          cache_salt=state.cache_salt, eos_token_id=self.eos_token_id)
+                          cache_salt=state.cache_salt, eos_token_id=self.eos_token_id,
+                          lora_name=state.lora_name)
         for token in state.output_token_ids:
             request.append_output_token(token)
         times = request.times
@@ -355,4 +360,5 @@ def _state_of(request: Request, now: int, charge: float, num_prompt_logprobs_sen
         generator.get_state().numpy().tobytes() if generator is not None else None,
         now - times.arrival, None if times.first_scheduled is None else now - times.first_scheduled,
         None if times.first_token is None else now - times.first_token, [now - t for t in times.token_times],
-        request.num_cached_tokens, request.num_preemptions, charge, num_prompt_logprobs_sent)
+        request.num_cached_tokens, request.num_preemptions, charge, num_prompt_logprobs_sent,
+        request.lora_name)

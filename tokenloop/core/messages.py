@@ -31,6 +31,7 @@ class CoreRequest:
     # A failover's recompute of a constrained request: the output tokens it produced elsewhere (now the
     # prompt's tail), which its new matcher accepts first so the grammar goes on from where it was.
     structured_replay: list[int] | None = None
+    lora_name: str | None = None  # the LoRA adapter to run with (its name is already in `cache_salt`)
 
 
 @dataclass(slots=True)

@@ -162,6 +162,7 @@ class Scheduler:
         clock: Clock = default_clock,
         policy: Policy | None = None,
         proposer: DraftProposer | None = None,
+        max_loras: int = 0,
     ) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
@@ -172,6 +173,7 @@ class Scheduler:
         self.policy: Policy = (policy if policy is not None
                                else make_policy(config.policy, config, max_model_len=max_model_len))
         self.proposer = proposer  # speculative decoding's drafts; None: off
+        self.max_loras = max_loras  # distinct LoRA adapters among running requests at most (0: no adapters)
         # Dicts keyed by request id: O(1) removal, and iteration in insertion order.
         self._running: dict[str, Request] = {}
         self._waiting: dict[str, Request] = {}
@@ -449,6 +451,8 @@ class Scheduler:
                     break
                 if request.request_id not in self._waiting:
                     continue
+                if request.lora_name is not None and not self._adapter_fits(request.lora_name):
+                    continue  # its adapter would be one more than the slots hold: it waits for one to free
                 try:
                     begin = timer()
                     computed_blocks, num_hit = kv.get_computed_blocks(request)
@@ -511,6 +515,11 @@ class Scheduler:
         output.kv_ns = kv_ns
         output.released_request_ids, self._released_ids = self._released_ids, []
         return output
+
+    def _adapter_fits(self, lora_name: str) -> bool:
+        """Whether running one more request of `lora_name` keeps the running adapters within max_loras."""
+        running = {r.lora_name for r in self._running.values() if r.lora_name is not None}
+        return lora_name in running or len(running) < self.max_loras
 
     def _top_up(self, rows: list[ScheduledRequest], budget: int, output: SchedulerOutput) -> tuple[int, int]:
         """Extend long prefills' rows (in the order they were scheduled) by up to `budget` tokens in all,

@@ -20,6 +20,7 @@ from tokenloop.model.layers.norm import head_rms_norm_
 from tokenloop.model.quantized import Int4Weight, PackedLinear, Q8Weight
 
 if TYPE_CHECKING:
+    from tokenloop.model.lora_slots import LoRABatch
     from tokenloop.model.models.llama import LayerWeights, LlamaModel
 
 
@@ -35,6 +36,11 @@ class DecodePlan:
 
 
 _NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales
+
+
+def _no_adapter(out: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """A step without adapter rows: the projection's output as it is."""
+    return out
 
 
 def decode_projection(weight: Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -92,9 +98,11 @@ def forward_fused(
     attn: AttentionMetadata,
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     logits_indices: torch.Tensor | None,
+    lora: LoRABatch | None = None,
 ) -> torch.Tensor:
     """`model.forward` on the CPU with the fused kernels: the same layer, with each residual add folded into
-    the next RMSNorm, the norms written in the next GEMM's input dtype, and rotary + KV write in one."""
+    the next RMSNorm, the norms written in the next GEMM's input dtype, and rotary + KV write in one. A step
+    with adapter rows (`lora`) runs the per-layer path, the adapters' products added after each projection."""
     cfg, ops, rope = model.config, model.fused_ops, model.rotary
     assert ops is not None
     num_tokens = input_ids.shape[0]
@@ -102,7 +110,7 @@ def forward_fused(
     hidden = model.embed.index_select(0, input_ids).contiguous()  # the fp32 residual stream, updated in place
     decode = attn.decode
     plan = None
-    if model.fused_decode and decode is not None and decode.kernel is not None \
+    if lora is None and model.fused_decode and decode is not None and decode.kernel is not None \
             and decode.token_index.shape[0] == num_tokens:
         plan = model.decode_plan(num_tokens)
     if plan is not None:  # a pure decode step: the same sequence of kernels, with no Python between layers
@@ -121,21 +129,23 @@ def forward_fused(
     v = torch.empty_like(k)
     eps = cfg.rms_norm_eps
     tick = model.progress.tick
-    for layer, (key_cache, value_cache) in zip(model.layers, kv_caches):
+    for index, (layer, (key_cache, value_cache)) in enumerate(zip(model.layers, kv_caches)):
+        adapt = _no_adapter if lora is None else lora.for_layer(index)
         normed = torch.empty(num_tokens, cfg.hidden_size, dtype=input_dtype(layer.qkv, num_tokens))
         ops.add_rms_norm(hidden, delta, layer.input_norm, eps, normed)
-        qkv = project(normed, layer.qkv)
+        qkv = adapt(project(normed, layer.qkv), normed, "qkv")
         if layer.q_norm is not None and layer.k_norm is not None:
             head_rms_norm_(qkv, layer.q_norm, layer.k_norm, cfg.num_heads, cfg.num_kv_heads, eps)
         ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, attn.slot_mapping, key_cache, value_cache, q, k, v)
         attended = paged_attention(q, k, v, key_cache, value_cache, attn, model.scale, kv_written=True)
         normed = torch.empty(num_tokens, cfg.hidden_size, dtype=input_dtype(layer.gate_up, num_tokens))
-        ops.add_rms_norm(hidden, project(attended.view(num_tokens, -1), layer.o_proj), layer.post_attention_norm,
-                         eps, normed)
-        gate_up = project(normed, layer.gate_up)
+        attended = attended.view(num_tokens, -1)
+        ops.add_rms_norm(hidden, adapt(project(attended, layer.o_proj), attended, "o_proj"),
+                         layer.post_attention_norm, eps, normed)
+        gate_up = adapt(project(normed, layer.gate_up), normed, "gate_up")
         activated = torch.empty(num_tokens, gate_up.shape[1] // 2, dtype=input_dtype(layer.down, num_tokens))
         ops.silu_mul(gate_up, activated)
-        delta = project(activated, layer.down)
+        delta = adapt(project(activated, layer.down), activated, "down")
         tick()
     final = torch.empty(num_tokens, cfg.hidden_size)
     ops.add_rms_norm(hidden, delta, model.final_norm, eps, final)

@@ -209,7 +209,7 @@ def _unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _rope_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
+def rope_row_order(name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
     """The row order that undoes llama.cpp's Q/K permutation for this tensor, or None to keep it."""
     # convert_hf_to_gguf permutes Q/K for llama-arch files only (Qwen2 keeps the NeoX layout).
     if not registry.architecture(config.architecture, "model").gguf_permutes_qk:
@@ -238,7 +238,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False,
         hf_name = names.get(name)
         if hf_name is None:
             raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for a {arch.name} model")
-        order = _rope_row_order(name, info.shape[0], config)
+        order = rope_row_order(name, info.shape[0], config)
         if keep_quantized and len(info.shape) == 2 and info.tensor_type not in _FLOAT_TYPES:
             # Blocks never span rows, so the permutation is undone on the raw rows, exactly.
             kept = GGMLTensor.from_raw(info.tensor_type, info.shape, gguf.raw(name))

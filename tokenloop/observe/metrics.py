@@ -119,6 +119,9 @@ class EngineMetrics:
                                                        "Speculative draft tokens the model agreed with.")
         self.request_success = counter("request_success", "Requests that ended, by finish reason.",
                                        extra=["finished_reason"], per_replica=False)
+        self.lora_requests = counter("lora_requests", "Requests run with a LoRA adapter that ended, by "
+                                     "adapter and finish reason.", extra=["lora_adapter", "finished_reason"],
+                                     per_replica=False)
         self.handoffs = counter("handoffs", "Request handoffs between replicas, by outcome.",
                                 extra=["outcome"], per_replica=False)
         self.handoff_kv_bytes = counter("handoff_kv_bytes", "KV-cache bytes moved by handoffs.",
@@ -212,9 +215,13 @@ class EngineMetrics:
         """A request produced its first token: its prompt has been computed."""
         self._prompt_tokens.inc(num_prompt_tokens)
 
-    def observe_finished(self, finish_reason: str, metrics: RequestMetrics | None) -> None:
-        """A request ended inside the engine (stop, length or error): record its latencies."""
+    def observe_finished(self, finish_reason: str, metrics: RequestMetrics | None,
+                         lora_name: str | None = None) -> None:
+        """A request ended inside the engine (stop, length or error): record its latencies (and
+        adapter)."""
         self.request_success.labels(self.model_name, finish_reason).inc()
+        if lora_name is not None:
+            self.lora_requests.labels(self.model_name, lora_name, finish_reason).inc()
         if metrics is None:
             return
         for histogram, value in ((self._ttft, metrics.ttft_s), (self._e2e, metrics.e2e_s),

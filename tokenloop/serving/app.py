@@ -36,6 +36,7 @@ from tokenloop.serving.chat import ChatServing
 from tokenloop.serving.completions import CompletionsServing
 from tokenloop.serving.errors import APIError, api_error, internal_error, new_incident_id, validation_error
 from tokenloop.serving.limits import EdgeGuard
+from tokenloop.serving.lora_routes import make_lora_router
 from tokenloop.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                         TokenizeChatRequest, TokenizeCompletionRequest, VersionResponse)
 from tokenloop.serving.admin_routes import make_admin_router
@@ -55,8 +56,9 @@ class OpenAIServing(CompletionsServing, ChatServing):
     """Every endpoint's logic on one shared base: one executor, one token-text cache, one set of checks."""
 
 
-def _json(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json(), status_code=status, media_type="application/json")
+def _json(model: BaseModel, status: int = 200, exclude_none: bool = False) -> Response:
+    return Response(model.model_dump_json(exclude_none=exclude_none), status_code=status,
+                    media_type="application/json")
 
 
 _LIST_CHUNK = 16_384  # list items serialized per call: ~1-2 ms of GIL each
@@ -167,12 +169,13 @@ def create_app(
 
     @v1.get("/models")
     async def list_models() -> Response:
-        return _json(serving.models())
+        return _json(serving.models(), exclude_none=True)  # the base model's card: OpenAI's four fields
 
     @v1.get("/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
-        serving.check_model(model_id)
-        return _json(serving.models().data[0])
+        adapter = serving.check_model(model_id)
+        wanted = adapter or serving.model_name
+        return _json(next(card for card in serving.models().data if card.id == wanted), exclude_none=True)
 
     @v1.post("/completions")
     async def create_completion(raw: Request) -> Response:
@@ -186,6 +189,7 @@ def create_app(
     # /v1/trace* and /v1/dashboard/state are behind the key (EdgeGuard); the /dashboard page asks for it.
     app.include_router(make_trace_router(lambda: async_engine.tracer))
     app.include_router(make_admin_router(lambda: async_engine))
+    app.include_router(make_lora_router(serving, json_body))  # behind the key: under /v1
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> Response:

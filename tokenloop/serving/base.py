@@ -89,6 +89,7 @@ class _Submission:
     prompts: list[_Prompt]
     request_ids: list[str]
     n: int
+    model: str  # the name the response gives: the served model's, or the LoRA adapter's the request named
     choices: dict[int, _Choice] = field(default_factory=dict)
     _prompt_index: dict[str, int] = field(default_factory=dict)
 
@@ -157,6 +158,10 @@ class ServingBase:
         self.async_engine = async_engine
         self.model_name = model_name
         self.model_aliases = {model_name, *model_aliases}
+        # LoRA adapters by name -> path, as the front end knows them (from the config, then the load routes).
+        lora = async_engine.config.lora
+        self.lora_enabled = lora is not None
+        self.lora_adapters: dict[str, str] = dict(lora.adapters) if lora is not None else {}
         self.tokenizer = async_engine.tokenizer
         self.max_model_len = async_engine.max_model_len
         self.limits = limits or ServerLimits()
@@ -181,12 +186,21 @@ class ServingBase:
 
     # ---- helpers -----------------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_aliases:
-            # 400, as the issue asks for every bad field (OpenAI itself answers 404 here).
-            message = (f"The model `{clipped(model, 100)}` does not exist. "
-                       f"This server serves `{self.model_name}`.")
-            raise APIError(400, message, "invalid_request_error", "model", "model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """Raise for a model this server does not serve; return the LoRA adapter `model` names (None: the base
+        model)."""
+        if model is None or model in self.model_aliases:
+            return None
+        if model in self.lora_adapters:
+            return model
+        served = f"This server serves `{self.model_name}`"
+        if self.lora_enabled:  # an adapter's name, most likely: OpenAI's 404 for a model one may not use
+            names = ", ".join(f"`{clipped(name, 100)}`" for name in list(self.lora_adapters)[:20]) or "none"
+            raise APIError(404, f"The model `{clipped(model, 100)}` does not exist. {served} and the LoRA "
+                           f"adapters {names}.", "invalid_request_error", "model", "model_not_found")
+        # 400, as the issue asks for every bad field (OpenAI itself answers 404 here).
+        raise APIError(400, f"The model `{clipped(model, 100)}` does not exist. {served}.",
+                       "invalid_request_error", "model", "model_not_found")
 
     def token_str(self, token_id: int) -> str:
         text = self._token_strs.get(token_id)
@@ -280,4 +294,7 @@ class ServingBase:
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created)])
+        """The base model, then each LoRA adapter with the base model as its parent."""
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created),
+                               *(ModelCard(id=name, created=self.created, root=path, parent=self.model_name)
+                                 for name, path in self.lora_adapters.items())])

@@ -91,13 +91,14 @@ class ChatServing(ServingBase):
         return params, text, token_ids, tools
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        lora_name = self.check_model(req.model)
         params, text, token_ids, tools = await self.off_loop(self._prepare_chat, req)
         response_id = random_id("chatcmpl")
         spec = RequestSpec(response_id, text, params, prompt_token_ids=token_ids, priority=req.priority,
-                           user=req.user, cache_salt=req.cache_salt)
+                           user=req.user, cache_salt=req.cache_salt, lora_name=lora_name)
         stream = await self._submit([spec])
-        submission = _Submission(response_id, now_s(), [_Prompt(text)], [response_id], params.n)
+        submission = _Submission(response_id, now_s(), [_Prompt(text)], [response_id], params.n,
+                                 lora_name or self.model_name)
         num_top = req.top_logprobs or 0
         if req.stream:
             return EventStreamResponse(self._chat_frames(stream, submission, req, num_top, tools),
@@ -118,7 +119,7 @@ class ChatServing(ServingBase):
             message = ChatMessage(content=content, tool_calls=tool_calls)
             choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish))
         body = ChatCompletionResponse(id=submission.response_id, created=submission.created,
-                                      model=self.model_name, choices=choices, usage=submission.usage())
+                                      model=submission.model, choices=choices, usage=submission.usage())
         return body.model_dump_json().encode()
 
     async def _chat_frames(self, stream: RequestStream, submission: _Submission, req: ChatCompletionRequest,
@@ -129,7 +130,7 @@ class ChatServing(ServingBase):
         def chunk(index: int, delta: DeltaMessage, logprobs: ChatChoiceLogprobs | None,
                   finish: str | None) -> str:
             body = ChatCompletionChunk(id=submission.response_id, created=submission.created,
-                                       model=self.model_name,
+                                       model=submission.model,
                                        choices=[ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
                                                                  finish_reason=finish)])
             return frame(body, **dump)
@@ -175,6 +176,6 @@ class ChatServing(ServingBase):
             return
         if include_usage:
             body = ChatCompletionChunk(id=submission.response_id, created=submission.created,
-                                       model=self.model_name, choices=[], usage=submission.usage())
+                                       model=submission.model, choices=[], usage=submission.usage())
             yield frame(body)
         yield DONE_FRAME

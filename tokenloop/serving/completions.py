@@ -85,7 +85,7 @@ class CompletionsServing(ServingBase):
         return params, prompts, token_ids
 
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
+        lora_name = self.check_model(req.model)
         params, prompts, token_ids = await self.off_loop(self._prepare_completion, req)
         response_id = random_id("cmpl")
         request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
@@ -95,11 +95,11 @@ class CompletionsServing(ServingBase):
             # skipping them.
             salt = f"{salt or ''}\x00prompt-logprobs-{response_id}"
         specs = [RequestSpec(rid, p if isinstance(p, str) else None, params, prompt_token_ids=ids,
-                             priority=req.priority, user=req.user, cache_salt=salt)
+                             priority=req.priority, user=req.user, cache_salt=salt, lora_name=lora_name)
                  for rid, p, ids in zip(request_ids, prompts, token_ids)]
         submission = _Submission(response_id, now_s(),
                                  [_Prompt(p if isinstance(p, str) else None) for p in prompts], request_ids,
-                                 params.n)
+                                 params.n, lora_name or self.model_name)
         stream = await self._submit(specs)
         if req.stream:
             return EventStreamResponse(self._completion_frames(stream, submission, req, params),
@@ -129,7 +129,7 @@ class CompletionsServing(ServingBase):
             choices.append(CompletionChoice(index=index, text=text, logprobs=logprobs,
                                             finish_reason=choice.finish_reason))
         body = CompletionResponse(id=submission.response_id, created=submission.created,
-                                  model=self.model_name, choices=choices, usage=submission.usage())
+                                  model=submission.model, choices=choices, usage=submission.usage())
         return body.model_dump_json().encode()
 
     def _prompt_text(self, prompt: _Prompt) -> str:
@@ -147,7 +147,7 @@ class CompletionsServing(ServingBase):
 
         def chunk(index: int, text: str, logprobs: CompletionLogprobs | None, finish: str | None) -> str:
             body = CompletionResponse(id=submission.response_id, created=submission.created,
-                                      model=self.model_name,
+                                      model=submission.model,
                                       choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                                 finish_reason=finish)])
             return frame(body, **dump)
@@ -195,6 +195,6 @@ class CompletionsServing(ServingBase):
             return
         if include_usage:
             body = CompletionResponse(id=submission.response_id, created=submission.created,
-                                      model=self.model_name, choices=[], usage=submission.usage())
+                                      model=submission.model, choices=[], usage=submission.usage())
             yield frame(body)
         yield DONE_FRAME

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from tokenloop.errors import (
+    AdapterNotFoundError,
     CapacityError,
     ClusterConflictError,
     EngineStoppedError,
@@ -70,6 +71,8 @@ def api_error(exc: BaseException) -> APIError:
     """Map an exception of ours to the API error a client should see (unknown ones: a generic 500)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, AdapterNotFoundError):  # unloaded after the front end checked the name
+        return APIError(404, exc.message, "invalid_request_error", exc.param, "model_not_found")
     if isinstance(exc, InvalidRequestError):
         return invalid(exc.message, exc.param)
     if isinstance(exc, CapacityError):

@@ -226,7 +226,7 @@ class FrontLoop:
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
         text = spec.prompt if isinstance(spec.prompt, str) else None
         return self.outputs.add(spec.request_id, text, ids, params, self.clock(), priority=spec.priority,
-                                user=spec.user, cache_salt=spec.cache_salt)
+                                user=spec.user, cache_salt=spec.cache_salt, lora_name=spec.lora_name)
 
     def _answer(self, result: CallResult) -> None:
         waiting = self._waiting.pop(result.call_id, None)
@@ -338,7 +338,7 @@ class FrontLoop:
                 reason = request_finish_reason(output)
                 self._count_finished(reason)
                 if metrics is not None:
-                    metrics.observe_finished(reason, output.metrics)
+                    metrics.observe_finished(reason, output.metrics, live.spec.lora_name)
             deliveries.append((live.stream, output))
         self._deliver(deliveries)
 

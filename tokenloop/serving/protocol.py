@@ -379,6 +379,8 @@ class ModelCard(_Response):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "tokenloop"
+    root: str | None = None  # what it serves: the base model's name, or a LoRA adapter's path
+    parent: str | None = None  # a LoRA adapter's base model (None for the base model itself)
 
 
 class ModelList(_Response):

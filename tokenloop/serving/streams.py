@@ -33,6 +33,7 @@ class RequestSpec:
     priority: int = 0
     user: str | None = None
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter the request's `model` names; None: the base model
 
 
 @dataclass

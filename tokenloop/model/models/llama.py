@@ -28,6 +28,7 @@ from tokenloop.model.layers.mlp import gated_mlp
 from tokenloop.model.layers.norm import head_rms_norm_, rms_norm
 from tokenloop.model.layers.rotary import RotaryTables, apply_rope, longrope_frequencies, rope_inverse_frequencies
 from tokenloop.model.quantized import PackedLinear, PackThresholds, QuantizedEmbedding
+from tokenloop.model.lora_slots import LoRABatch
 from tokenloop.model.weights import WeightSource
 
 
@@ -233,14 +234,17 @@ class LlamaModel:
         attn: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> logits [N, vocab] for the N tokens in `logits_indices` (all if None)."""
+        """input_ids, positions [T] -> logits [N, vocab] for the N tokens in `logits_indices` (all if None);
+        `lora`: the step's adapter products, added on top of the projections (model/lora_slots.py)."""
         cfg = self.config
         num_tokens = input_ids.shape[0]
         self.last_weight_form = self.weight_form(num_tokens)
         if self.fused_ops is not None:
-            return fused_cpu.forward_fused(self, input_ids, positions, attn, kv_caches, logits_indices)
-        hidden = self.decoder_layers(self.embed_tokens(input_ids), positions, attn, kv_caches)
+            return fused_cpu.forward_fused(self, input_ids, positions, attn, kv_caches, logits_indices, lora)
+        hidden = self.embed_tokens(input_ids)
+        hidden = self.decoder_layers(hidden, positions, attn, kv_caches, *(() if lora is None else (lora,)))
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         return self.lm_head(rms_norm(hidden, self.final_norm, cfg.rms_norm_eps))
@@ -250,7 +254,8 @@ class LlamaModel:
         return self.embed.index_select(0, input_ids)
 
     def decoder_layers(self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       lora: LoRABatch | None = None) -> torch.Tensor:
         """The residual stream [T, hidden] through every layer (the op path), before the final norm."""
         cfg = self.config
         num_tokens = hidden.shape[0]
@@ -259,9 +264,12 @@ class LlamaModel:
         num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         cos, sin = self.rotary.at(positions)
         tick = self.progress.tick
-        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
+            adapt = None if lora is None else lora.for_layer(index)
             normed = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = linear(normed, layer.qkv, layer.qkv_bias)
+            if adapt is not None:
+                adapt(qkv, normed, "qkv")
             if layer.q_norm is not None and layer.k_norm is not None:
                 head_rms_norm_(qkv, layer.q_norm, layer.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
             # Q and K heads are adjacent in the fused output: rotate them in one go.
@@ -269,8 +277,10 @@ class LlamaModel:
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
             attended = paged_attention(q, k, v, key_cache, value_cache, attn, self.scale)
-            hidden = hidden + linear(attended.view(num_tokens, q_size), layer.o_proj)
+            attended = attended.view(num_tokens, q_size)
+            attention_out = linear(attended, layer.o_proj)
+            hidden = hidden + (attention_out if adapt is None else adapt(attention_out, attended, "o_proj"))
             hidden = hidden + gated_mlp(rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps),
-                                        layer.gate_up, layer.down)
+                                        layer.gate_up, layer.down, adapt=adapt)
             tick()
         return hidden

@@ -1,0 +1,104 @@
+"""LoRA serving cost on the default model, side by side in one run (issue 32, performance).
+
+    PYTHONPATH=. python scripts/bench_lora.py [--streams 8] [--tokens 64] [--rounds 2] [--many 32]
+
+1. Load time of one rank-16 adapter (PEFT directory, all seven projections): median of 5 loads.
+2. `--streams` greedy streams, each with its own rank-16 adapter, against the same streams on the base model,
+   alternated base / adapters for `--rounds` rounds on one engine: output tok/s (prefill included).
+3. `--many` streams over `--many` adapters with --max-loras 8: throughput, and the slot swaps it cost.
+The adapters are random (PEFT's layout and names, written here), so their outputs are noise; only time counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tokenloop import LLM, LoRARequest, SamplingParams
+from tokenloop.model.loader import DEFAULT_MODEL, load_checkpoint
+from tokenloop.model.lora import _MODULE_PREFIX, load_adapter, projection_shapes
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def write_adapter(directory: Path, config, rank: int, seed: int) -> Path:
+    """A PEFT LoRA directory of random rank-`rank` matrices on all seven projections of every layer."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module, (out_features, in_features) in projection_shapes(config).items():
+            key = f"base_model.model.model.layers.{layer}.{_MODULE_PREFIX[module]}.{module}"
+            tensors[key + ".lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * 0.01
+            tensors[key + ".lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.01
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(_MODULE_PREFIX)}))
+    return directory
+
+
+def throughput(llm: LLM, adapters: list[str | None], tokens: int) -> tuple[float, float]:
+    """(output tok/s, seconds) of one greedy stream per entry of `adapters` (None: the base model)."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    requests = [LoRARequest(name) if name else None for name in adapters]
+    begin = time.perf_counter()
+    outputs = llm.generate([PROMPT] * len(adapters), params, lora_request=requests, use_tqdm=False)
+    seconds = time.perf_counter() - begin
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--many", type=int, default=32)
+    parser.add_argument("--rank", type=int, default=16)
+    args = parser.parse_args()
+    config = load_checkpoint(DEFAULT_MODEL).config
+    with tempfile.TemporaryDirectory() as tmp:
+        count = max(args.streams, args.many)
+        dirs = {f"ad{i}": write_adapter(Path(tmp) / f"ad{i}", config, args.rank, i) for i in range(count)}
+        loads = []
+        for _ in range(5):
+            loads.append(load_adapter("x", dirs["ad0"], config, args.rank, torch.bfloat16).load_s * 1e3)
+        print(f"load one rank-{args.rank} adapter: median {statistics.median(loads):.1f} ms "
+              f"(runs: {', '.join(f'{v:.1f}' for v in loads)})")
+
+        names = [f"ad{i}" for i in range(args.streams)]
+        llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in names}, max_loras=args.streams,
+                  max_lora_rank=args.rank)
+        throughput(llm, [None, names[0]], 4)  # warm both paths
+        print(f"{args.streams} streams x {args.tokens} tokens, output tok/s (prefill included):")
+        ratios = []
+        for round_index in range(args.rounds):
+            base, _ = throughput(llm, [None] * args.streams, args.tokens)
+            lora, _ = throughput(llm, names, args.tokens)
+            ratios.append(lora / base)
+            print(f"  round {round_index + 1}: base {base:.1f}, {args.streams} adapters {lora:.1f} "
+                  f"({lora / base:.2f}x)")
+        print(f"  median ratio {statistics.median(ratios):.2f}x")
+        del llm
+
+        many = [f"ad{i}" for i in range(args.many)]
+        llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in many}, max_loras=8,
+                  max_lora_rank=args.rank, max_num_seqs=args.many)
+        throughput(llm, [None, many[0]], 4)
+        slots = llm.engine.core.adapters.slots
+        loads_before, evictions_before = slots.num_loads, slots.num_evictions
+        base, _ = throughput(llm, [None] * args.many, args.tokens)
+        lora, seconds = throughput(llm, many, args.tokens)
+        print(f"{args.many} streams over {args.many} adapters, --max-loras 8: base {base:.1f} tok/s, "
+              f"adapters {lora:.1f} tok/s ({lora / base:.2f}x) in {seconds:.1f} s; slot loads "
+              f"{slots.num_loads - loads_before}, evictions {slots.num_evictions - evictions_before}")
+
+
+if __name__ == "__main__":
+    main()

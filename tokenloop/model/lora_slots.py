@@ -1,0 +1,165 @@
+"""The adapters resident for the forward, and one step's low-rank products over its rows.
+
+`AdapterSlots` keeps `max_loras` slots: per layer and fused projection, every slot's A stacked into one
+[slots * n * r, in] matrix and every slot's B (transposed) into one [slots * n * r, out]. A step whose rows use
+adapters gets a `LoRABatch`: each token's slot, as a one-hot mask over the slots' rank columns. The products
+then run as two GEMMs per projection for the whole step, whatever mix of adapters its rows use (Punica's
+batched gather-matmul, with the gather done by the mask): x @ A_used.T, masked to each row's own slot's
+columns, @ B_used, added to the base projection's output. Only the range of slots the step uses is read. Rows
+of the base model get a zero mask; a step with no adapter row gets no batch at all and runs as before.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from tokenloop.config import ModelConfig
+from tokenloop.errors import AdapterNotFoundError, CapacityError
+from tokenloop.model.lora import FUSED_PROJECTIONS, LoRAAdapter, projection_shapes
+
+
+class AdapterSlots:
+    """The adapters an engine serves: every registered one on the host, `max_loras` of them resident (least
+    recently used swapped out first) in the stacked forms a step reads."""
+
+    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
+        shapes = projection_shapes(config)
+        self.out_features = {module: out for module, (out, _) in shapes.items()}
+        self.width = {kind: len(modules) * max_rank for kind, modules in FUSED_PROJECTIONS.items()}
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.bt: list[dict[str, torch.Tensor]] = []
+        for _ in range(config.num_layers):
+            a, bt = {}, {}
+            for kind, modules in FUSED_PROJECTIONS.items():
+                rows = max_loras * self.width[kind]
+                a[kind] = torch.zeros(rows, shapes[modules[0]][1], dtype=dtype, device=device)
+                bt[kind] = torch.zeros(rows, sum(shapes[m][0] for m in modules), dtype=dtype, device=device)
+            self.a.append(a)
+            self.bt.append(bt)
+        self.registered: dict[str, LoRAAdapter] = {}
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapter -> its slot, oldest use first
+        self.num_loads = 0
+        self.num_evictions = 0
+
+    @property
+    def resident(self) -> list[str]:
+        """The resident adapters, least recently used first."""
+        return list(self._slot_of)
+
+    def register(self, adapter: LoRAAdapter) -> None:
+        """Serve `adapter` under its name (replacing one of that name: its slot is reloaded on next use)."""
+        self.unregister(adapter.name)
+        self.registered[adapter.name] = adapter
+
+    def unregister(self, name: str) -> bool:
+        """Stop serving `name`; returns whether it was registered."""
+        self._slot_of.pop(name, None)
+        return self.registered.pop(name, None) is not None
+
+    def slots_for(self, names: Iterable[str]) -> dict[str, int]:
+        """Each named adapter's slot, loading those not resident over the least recently used others."""
+        wanted = list(dict.fromkeys(names))
+        if len(wanted) > self.max_loras:
+            raise CapacityError(f"{len(wanted)} adapters in one step, but max_loras is {self.max_loras}")
+        for name in wanted:
+            if name in self._slot_of:
+                self._slot_of.move_to_end(name)
+        for name in wanted:
+            if name not in self._slot_of:
+                adapter = self.registered.get(name)
+                if adapter is None:
+                    raise AdapterNotFoundError(f"the LoRA adapter {name!r} is not loaded", param="model")
+                self._load(adapter, self._free_slot(set(wanted)))
+        return {name: self._slot_of[name] for name in wanted}
+
+    def _free_slot(self, keep: set[str]) -> int:
+        used = set(self._slot_of.values())
+        free = next((s for s in range(self.max_loras) if s not in used), None)
+        if free is not None:
+            return free
+        victim = next(name for name in self._slot_of if name not in keep)  # oldest use first
+        self.num_evictions += 1
+        return self._slot_of.pop(victim)
+
+    def _load(self, adapter: LoRAAdapter, slot: int) -> None:
+        """Copy an adapter into a slot, fused as the base projections are: per fused projection, each
+        sub-projection's A in its own `max_rank` rows, its B (transposed) in the same rows and its own output
+        columns; everything it does not adapt (and the padding past its rank) zero."""
+        rank = adapter.rank
+        for index, modules in enumerate(adapter.layers):
+            for kind, parts in FUSED_PROJECTIONS.items():
+                width = self.width[kind]
+                a, bt = self.a[index][kind], self.bt[index][kind]
+                a[slot * width:(slot + 1) * width].zero_()
+                bt[slot * width:(slot + 1) * width].zero_()
+                column = 0
+                for part, module in enumerate(parts):
+                    out_features = self.out_features[module]
+                    pair = modules.get(module)
+                    if pair is not None:
+                        first = slot * width + part * self.max_rank
+                        a[first:first + rank].copy_(pair[0])
+                        bt[first:first + rank, column:column + out_features].copy_(pair[1].T)
+                    column += out_features
+        self._slot_of[adapter.name] = slot
+        self.num_loads += 1
+
+    def batch(self, token_slots: np.ndarray) -> LoRABatch | None:
+        """The step's products for tokens in slots `token_slots` ([T], -1 for the base model), or None when
+        no token uses an adapter."""
+        adapted = token_slots >= 0
+        if not adapted.any():
+            return None
+        lo, hi = int(token_slots[adapted].min()), int(token_slots[adapted].max()) + 1
+        onehot = np.zeros((len(token_slots), hi - lo), dtype=np.float32)
+        rows = np.flatnonzero(adapted)
+        onehot[rows, token_slots[rows] - lo] = 1.0
+        device = self.a[0]["qkv"].device if self.a else "cpu"
+        return LoRABatch(self, torch.from_numpy(onehot).to(device=device, dtype=self.dtype), lo, hi)
+
+
+class LoRABatch:
+    """One step's adapter products: `add_(out, x, layer, kind)` adds each row's adapter output to `out`."""
+
+    def __init__(self, slots: AdapterSlots, onehot: torch.Tensor, lo: int, hi: int) -> None:
+        self.slots, self.onehot, self.lo, self.hi = slots, onehot, lo, hi
+        self._masks: dict[int, torch.Tensor] = {}  # by rank columns per slot
+
+    def _mask(self, width: int) -> torch.Tensor:
+        mask = self._masks.get(width)
+        if mask is None:
+            mask = self._masks[width] = self.onehot.repeat_interleave(width, dim=1)
+        return mask
+
+    def add_(self, out: torch.Tensor, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
+        """out [T, out] += each row's adapter's x @ A.T @ B.T for projection `kind` of `layer`; returns
+        out."""
+        width = self.slots.width[kind]
+        used = slice(self.lo * width, self.hi * width)
+        a, bt = self.slots.a[layer][kind][used], self.slots.bt[layer][kind][used]
+        shrunk = torch.mm(x.to(a.dtype), a.T)
+        shrunk.mul_(self._mask(width))
+        if out.dtype == bt.dtype:
+            return out.addmm_(shrunk, bt)
+        return out.add_(torch.mm(shrunk, bt))
+
+    def for_layer(self, layer: int) -> LayerLoRA:
+        return LayerLoRA(self, layer)
+
+
+class LayerLoRA:
+    """A step's adapter products for one layer: called as `(out, x, kind)` after a projection."""
+
+    __slots__ = ("batch", "layer")
+
+    def __init__(self, batch: LoRABatch, layer: int) -> None:
+        self.batch, self.layer = batch, layer
+
+    def __call__(self, out: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+        return self.batch.add_(out, x, self.layer, kind)
