@@ -27,6 +27,7 @@ ALLOWED_CYCLE_EDGES: frozenset[tuple[str, str]] = frozenset({
     ("tokenloop.core.kv_events", "tokenloop.core.kv_cache"),  # the event log names the pool it watches
     ("tokenloop.model.int8_dot", "tokenloop.model.quantized"),  # names GGMLTensor
     ("tokenloop.model.fused_cpu", "tokenloop.model.models.llama"),  # names the model it runs
+    ("tokenloop.model.registry", "tokenloop.model.models.llama"),  # names the base class it returns
 })
 
 # The front end's rooms: importing them (`tokenloop serve` before its core starts, `tokenloop --help`) must
