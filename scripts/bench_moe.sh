@@ -6,19 +6,21 @@
 # llama.cpp runs only where its binary is already built (scripts/baselines/llama_cpp.sh build; never started
 # from here: the build takes both cores for minutes). One stream runs 4 requests one after another; 8 streams
 # one request each. A server gets 15 minutes to load (packing a 7 GB file on a loaded 2-core machine).
+# THREADS (default: all cores): both servers' threads (tokenloop's through OMP_NUM_THREADS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:?usage: scripts/bench_moe.sh MODEL.gguf [tokenloop|llama.cpp ...]}
 shift
 PY=${PY:-.venv/bin/python}
 PORT=${PORT:-8124}
+THREADS=${THREADS:-$(nproc)}
 LLAMA_SERVER="${TOKENLOOP_LLAMA_CPP_DIR:-$HOME/.cache/tokenloop/llama.cpp}/build/bin/llama-server"
 start_server() {
   if [[ "$1" == llama.cpp ]]; then
-    "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$PORT" -t "$(nproc)" -np 8 -c 8192 >/dev/null 2>&1 &
+    "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$PORT" -t "$THREADS" -np 8 -c 8192 >/dev/null 2>&1 &
   else
-    "$PY" -m tokenloop serve --model "$MODEL" --port "$PORT" --max-model-len 1024 --no-trace \
-      --log-level warning &
+    OMP_NUM_THREADS=$THREADS "$PY" -m tokenloop serve --model "$MODEL" --port "$PORT" --max-model-len 1024 \
+      --no-trace --log-level warning &
   fi
   pid=$!
 }
@@ -36,7 +38,7 @@ for t in "${@:-tokenloop llama.cpp}"; do
   start_server "$t"
   trap 'kill -INT $pid 2>/dev/null || true' EXIT
   for _ in $(seq 1 1800); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 0.5; done
-  echo "=== target=$t ready after $(( $(date +%s) - start )) s, RSS $(tree_rss_gb "$pid")"
+  echo "=== target=$t threads=$THREADS ready after $(( $(date +%s) - start )) s, RSS $(tree_rss_gb "$pid")"
   bench() { "$PY" -m tokenloop bench serve --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions \
     --dataset random --request-rate inf --random-input-len 32 "$@"; }
   bench --num-prompts 2 --max-concurrency 2 --random-output-len 16 --seed 1 >/dev/null  # warm-up

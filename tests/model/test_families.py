@@ -270,3 +270,20 @@ def test_q8_0_gguf_with_packed_experts_matches_its_float_weights(model_type: str
     for ours, ref in zip(_mixed_step_logits(packed, prompts, block_size=4),
                          _mixed_step_logits(reference, prompts, block_size=4)):
         _assert_relative_close(ours, ref, tolerance=5e-4)  # measured ~3e-5
+
+
+@pytest.mark.parametrize(("model_type", "field", "value"), [("qwen3_moe", "mlp_only_layers", [1]),
+                                                            ("qwen3_moe", "decoder_sparse_step", 2),
+                                                            ("olmoe", "clip_qkv", 8.0)])
+def test_moe_configs_we_do_not_run_are_refused_by_name(model_type: str, field: str, value: Any,
+                                                       tmp_path: Path) -> None:
+    """Dense layers between expert layers, and OLMoE's Q/K/V clipping, are refused naming the field, not run
+    wrong."""
+    from tokenloop.errors import UnsupportedModelError
+    from tokenloop.model.loader import load_model_info
+
+    path = write_tiny_family(tmp_path / model_type, model_type)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(UnsupportedModelError, match=field):
+        load_model_info(str(path))
