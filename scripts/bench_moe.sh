@@ -6,7 +6,9 @@
 # llama.cpp runs only where its binary is already built (scripts/baselines/llama_cpp.sh build; never started
 # from here: the build takes both cores for minutes). One stream runs 4 requests one after another; 8 streams
 # one request each. A server gets 15 minutes to load (packing a 7 GB file on a loaded 2-core machine).
-# THREADS (default: all cores): both servers' threads (tokenloop's through OMP_NUM_THREADS).
+# THREADS (default: all cores): both servers' threads (tokenloop's through OMP_NUM_THREADS); LLAMA_ARGS: more
+# llama-server options (e.g. --poll 0). On a machine shared with other busy processes, OpenMP threads that spin
+# at every barrier lose their time slices: run with OMP_WAIT_POLICY=PASSIVE there (BENCHMARKS.md, MoE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:?usage: scripts/bench_moe.sh MODEL.gguf [tokenloop|llama.cpp ...]}
@@ -17,7 +19,8 @@ THREADS=${THREADS:-$(nproc)}
 LLAMA_SERVER="${TOKENLOOP_LLAMA_CPP_DIR:-$HOME/.cache/tokenloop/llama.cpp}/build/bin/llama-server"
 start_server() {
   if [[ "$1" == llama.cpp ]]; then
-    "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$PORT" -t "$THREADS" -np 8 -c 8192 >/dev/null 2>&1 &
+    "$LLAMA_SERVER" -m "$MODEL" --host 127.0.0.1 --port "$PORT" -t "$THREADS" -np 8 -c 8192 \
+      ${LLAMA_ARGS:-} >/dev/null 2>&1 &
   else
     OMP_NUM_THREADS=$THREADS "$PY" -m tokenloop serve --model "$MODEL" --port "$PORT" --max-model-len 1024 \
       --no-trace --log-level warning &
