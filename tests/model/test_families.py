@@ -246,17 +246,20 @@ def test_gemma3_gguf_without_a_chat_template_gets_gemmas_turns(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("model_type", MOE)
-def test_q8_0_gguf_with_packed_experts_matches_its_float_weights(model_type: str, tmp_path: Path) -> None:
-    """A Q8_0 GGUF (experts stacked and quantized, the router F32) built with its experts packed one per
-    expert for the int8-dot kernels, no dense copy: a mixed step's logits are those of the same file's
+@pytest.mark.parametrize("encoding", ["Q8_0", "Q4_0"])
+def test_quantized_gguf_with_packed_experts_matches_its_float_weights(model_type: str, encoding: str,
+                                                                      tmp_path: Path) -> None:
+    """A Q8_0 / Q4_0 GGUF (experts stacked and quantized, the router F32) built with its experts packed one
+    per expert for the int8-dot kernels, no dense copy: a mixed step's logits are those of the same file's
     weights in float32 (the kernels' only rounding is the activations' ~15-bit codes)."""
     from gguf import GGMLQuantizationType as QType
 
+    from tokenloop.model.int8_dot import int8_dot_available
     from tokenloop.model.layers.moe import MoEWeights
     from tokenloop.model.quantized import PackedLinear, PackThresholds
 
     family = write_tiny_family(tmp_path / model_type, model_type)
-    path = write_tiny_gguf(family, tmp_path / "q8_0.gguf", QType.Q8_0)
+    path = write_tiny_gguf(family, tmp_path / "quantized.gguf", QType[encoding])
     kept = load_checkpoint(str(path), keep_quantized=True)
     cls = model_class(kept.config.architecture)
     packed = cls.from_weights(kept.config, kept.weights, quantized=True,
@@ -264,12 +267,14 @@ def test_q8_0_gguf_with_packed_experts_matches_its_float_weights(model_type: str
     moe = packed.layers[0].moe
     assert isinstance(moe, MoEWeights) and len(moe.gate_up) == kept.config.num_experts == 8
     assert all(isinstance(w, PackedLinear) and w.dense is None for w in moe.gate_up + moe.down)
+    if int8_dot_available():
+        assert {w.form for w in moe.gate_up + moe.down} == {"q8_0_vnni" if encoding == "Q8_0" else "int4_vnni"}
     dequantized = load_checkpoint(str(path))
     reference = cls.from_weights(dequantized.config, dequantized.weights)
     prompts = _prompts(kept.config.vocab_size, seed=1, shared_prefix=8)
     for ours, ref in zip(_mixed_step_logits(packed, prompts, block_size=4),
                          _mixed_step_logits(reference, prompts, block_size=4)):
-        _assert_relative_close(ours, ref, tolerance=5e-4)  # measured ~3e-5
+        _assert_relative_close(ours, ref, tolerance=5e-4)  # measured <= 9e-5
 
 
 @pytest.mark.parametrize(("model_type", "field", "value"), [("qwen3_moe", "mlp_only_layers", [1]),
