@@ -6,9 +6,9 @@
 # llama.cpp runs only where its binary is already built (scripts/baselines/llama_cpp.sh build; never started
 # from here: the build takes both cores for minutes). One stream runs 4 requests one after another; 8 streams
 # one request each. A server gets 15 minutes to load (packing a 7 GB file on a loaded 2-core machine).
-# THREADS (default: all cores): both servers' threads (tokenloop's through OMP_NUM_THREADS); LLAMA_ARGS: more
-# llama-server options (e.g. --poll 0). On a machine shared with other busy processes, OpenMP threads that spin
-# at every barrier lose their time slices: run with OMP_WAIT_POLICY=PASSIVE there (BENCHMARKS.md, MoE).
+# THREADS (default: all cores): both servers' threads (tokenloop's through OMP_NUM_THREADS); LLAMA_ARGS:
+# more llama-server options (e.g. --poll 0). On a machine shared with other busy processes, OpenMP threads
+# that spin at every barrier lose their time slices: run with OMP_WAIT_POLICY=PASSIVE there (BENCHMARKS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${1:?usage: scripts/bench_moe.sh MODEL.gguf [tokenloop|llama.cpp ...]}
@@ -42,8 +42,8 @@ for t in "${@:-tokenloop llama.cpp}"; do
   trap 'kill -INT $pid 2>/dev/null || true' EXIT
   for _ in $(seq 1 1800); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 0.5; done
   echo "=== target=$t threads=$THREADS ready after $(( $(date +%s) - start )) s, RSS $(tree_rss_gb "$pid")"
-  bench() { "$PY" -m tokenloop bench serve --base-url "http://127.0.0.1:$PORT" --endpoint /v1/chat/completions \
-    --dataset random --request-rate inf --random-input-len 32 "$@"; }
+  bench() { "$PY" -m tokenloop bench serve --base-url "http://127.0.0.1:$PORT" \
+    --endpoint /v1/chat/completions --dataset random --request-rate inf --random-input-len 32 "$@"; }
   bench --num-prompts 2 --max-concurrency 2 --random-output-len 16 --seed 1 >/dev/null  # warm-up
   for c in 1 8; do
     echo "=== target=$t streams=$c"

@@ -1,5 +1,5 @@
-"""Offline decode speed of a mixture-of-experts GGUF (scripts/make_moe_gguf.py) in the engine, and the share of
-the expert bytes each decode step's MoE layers read (what grouping tokens by expert saves):
+"""Offline decode speed of a mixture-of-experts GGUF (scripts/make_moe_gguf.py) in the engine, and the share
+of the expert bytes each decode step's MoE layers read (what grouping tokens by expert saves):
 
     scripts/bench_moe_decode.py MODEL.gguf [--batches 1 8] [--tokens 64]
 
@@ -44,7 +44,8 @@ def main() -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     for batch in args.batches:
-        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 5000 + 10 for j in range(32)]} for i in range(batch)]
+        prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 5000 + 10 for j in range(32)]}
+                   for i in range(batch)]
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -28,7 +28,8 @@ from gguf.quants import quantize
 ARCH = "olmoe"
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
-          "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+          "+ '<|im_end|>\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 POOL_ROWS = 4096
 
 
@@ -141,7 +142,8 @@ def main() -> None:
     start = time.perf_counter()
     write(args.out, QType[args.type], Shape(layers=args.layers), args.seed)
     size = args.out.stat().st_size
-    print(f"{args.out}: {size / 1e9:.2f} GB, {args.layers} layers, {args.type}, {time.perf_counter() - start:.0f} s")
+    elapsed = time.perf_counter() - start
+    print(f"{args.out}: {size / 1e9:.2f} GB, {args.layers} layers, {args.type}, {elapsed:.0f} s")
 
 
 if __name__ == "__main__":

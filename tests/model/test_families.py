@@ -158,7 +158,8 @@ def test_f32_gguf_gives_the_same_tokens_as_safetensors(family_dir: Path, tmp_pat
     # GGUF stacks each layer's experts into one tensor a projection; HF holds one per expert.
     assert from_gguf.weights.keys() == {re.sub(r"\.experts\.\d+\.", ".experts.", n) for n in from_hf.weights}
     moe_fields = ("num_experts", "num_experts_per_tok", "expert_intermediate_size", "norm_topk_prob")
-    assert [getattr(from_gguf.config, f) for f in moe_fields] == [getattr(from_hf.config, f) for f in moe_fields]
+    assert [getattr(from_gguf.config, f) for f in moe_fields] == [getattr(from_hf.config, f)
+                                                                  for f in moe_fields]
     prompts = _token_prompts(seed=8)
     assert _ours_greedy(str(path), prompts) == _ours_greedy(str(family_dir), prompts)
 
@@ -268,7 +269,8 @@ def test_quantized_gguf_with_packed_experts_matches_its_float_weights(model_type
     assert isinstance(moe, MoEWeights) and len(moe.gate_up) == kept.config.num_experts == 8
     assert all(isinstance(w, PackedLinear) and w.dense is None for w in moe.gate_up + moe.down)
     if int8_dot_available():
-        assert {w.form for w in moe.gate_up + moe.down} == {"q8_0_vnni" if encoding == "Q8_0" else "int4_vnni"}
+        forms = {w.form for w in moe.gate_up + moe.down}
+        assert forms == {"q8_0_vnni" if encoding == "Q8_0" else "int4_vnni"}
     dequantized = load_checkpoint(str(path))
     reference = cls.from_weights(dequantized.config, dequantized.weights)
     prompts = _prompts(kept.config.vocab_size, seed=1, shared_prefix=8)

@@ -70,7 +70,7 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
         writer.add_attention_scale(config["query_pre_attn_scalar"] ** -0.5)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     experts = config.get("num_experts") or config.get("num_local_experts")
-    if experts:  # as llama.cpp's converters write them: no key for the top-k renormalization (a family default)
+    if experts:  # as llama.cpp's converters write them: no key for top-k renormalization (a family default)
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
         if config.get("moe_intermediate_size"):

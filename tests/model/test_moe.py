@@ -22,7 +22,9 @@ def _random_moe(num_experts: int, top_k: int, normalize: bool, seed: int) -> MoE
         return torch.randn(*shape, generator=gen, dtype=torch.float64) * shape[-1] ** -0.5
 
     return MoEWeights(router=randn(num_experts, HIDDEN),
-                      gate_up=[randn(2 * WIDTH, HIDDEN) for _ in range(num_experts)], down=[randn(HIDDEN, WIDTH) for _ in range(num_experts)], top_k=top_k, normalize=normalize)
+                      gate_up=[randn(2 * WIDTH, HIDDEN) for _ in range(num_experts)],
+                      down=[randn(HIDDEN, WIDTH) for _ in range(num_experts)], top_k=top_k,
+                      normalize=normalize)
 
 
 def _every_expert_on_every_token(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
@@ -54,7 +56,8 @@ def test_grouped_by_expert_equals_every_expert_weighted(tokens: int, num_experts
 
 @settings(max_examples=60, deadline=None)
 @given(tokens=st.integers(1, 30), num_experts=st.integers(1, 12), data=st.data())
-def test_groups_hold_each_pair_once_sorted_by_expert(tokens: int, num_experts: int, data: st.DataObject) -> None:
+def test_groups_hold_each_pair_once_sorted_by_expert(tokens: int, num_experts: int,
+                                                     data: st.DataObject) -> None:
     top_k = data.draw(st.integers(1, num_experts), label="top_k")
     experts = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)])
     groups = group_by_expert(experts, num_experts)

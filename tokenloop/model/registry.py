@@ -35,8 +35,8 @@ class Architecture:
     # text that ends a turn (an end-of-generation id besides eos).
     gguf_chat_template: str = ""
     gguf_end_of_turn: str = ""
-    # Whether a GGUF of this mixture-of-experts family renormalizes the top-k router weights where its metadata
-    # does not say (`expert_weights_norm`): llama.cpp's own choice per family.
+    # Whether a GGUF of this mixture-of-experts family renormalizes the top-k router weights where its
+    # metadata does not say (`expert_weights_norm`): llama.cpp's own choice per family.
     gguf_expert_weights_norm: bool = False
 
     @property

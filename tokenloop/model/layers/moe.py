@@ -83,13 +83,14 @@ def moe_block(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
     for expert, count in enumerate(groups.counts):
         if count == 0:
             continue  # no token chose it: its weights stay unread
-        outputs.append(gated_mlp(gathered[start:start + count], weights.gate_up[expert], weights.down[expert]))
+        rows = gathered[start:start + count]
+        outputs.append(gated_mlp(rows, weights.gate_up[expert], weights.down[expert]))
         start += count
     # Back to [T, k] order and summed over k, in the same order whatever the batch (an index_add_ here ran
     # 150 ms for one decode token: torch's deterministic mode turns it into a serial scatter).
     by_slot = (torch.cat(outputs) if outputs else gathered).index_select(0, torch.argsort(groups.slots))
     tokens, k = routing.weights.shape
-    return (by_slot.view(tokens, k, -1) * routing.weights.unsqueeze(-1)).sum(dim=1)
+    return (by_slot.view(tokens, k, x.shape[1]) * routing.weights.unsqueeze(-1)).sum(dim=1)
 
 
 def active_expert_bytes(x: torch.Tensor, weights: MoEWeights) -> tuple[int, int]:
