@@ -75,6 +75,13 @@ class ModelConfig:
     sliding_window: int = 0  # keys a sliding layer's query sees, itself included
     rope_local_theta: float = 0.0  # sliding layers' rotary base (0: rope_theta)
     query_pre_attn_scalar: float = 0.0  # attention scale = this ** -0.5 (0: head_dim)
+    # Mixture of experts (OLMoE, Qwen3-MoE; 0 experts: a dense MLP): each token's MLP is the router-weighted
+    # sum of its top `num_experts_per_tok` experts, each of `expert_intermediate_size`; `norm_topk_prob`
+    # renormalizes the chosen experts' softmax weights to sum to 1.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def rotary_dim(self) -> int:
@@ -99,6 +106,11 @@ class ModelConfig:
                  f"layer_types may be full_attention or sliding_attention, got {set(self.layer_types)}")
         _require("sliding_attention" not in self.layer_types or self.sliding_window > 0,
                  "sliding_attention layers need sliding_window > 0")
+        _require(self.num_experts == 0 or 0 < self.num_experts_per_tok <= self.num_experts,
+                 f"num_experts_per_tok must lie in [1, num_experts={self.num_experts}], "
+                 f"got {self.num_experts_per_tok}")
+        _require(self.num_experts == 0 or self.expert_intermediate_size > 0,
+                 f"expert_intermediate_size must be > 0, got {self.expert_intermediate_size}")
 
 
 @dataclass(frozen=True)

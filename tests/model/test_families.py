@@ -8,6 +8,7 @@ are close; and the same model written as an F32 GGUF with the `gguf` package giv
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,20 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                                                               "rope_theta": 10000.0},
                                                         "full_attention": {"rope_type": "default",
                                                                            "rope_theta": 1e6}}}),
+    # Mixtures of 8 experts, 2 a token: OLMoE's QK-norm over whole projections and its top-k weights as the
+    # softmax gives them; Qwen3-MoE's per-head QK-norm and top-k weights renormalized (llama.cpp's default).
+    "olmoe": ("OlmoeModel", {"rope_theta": 10000.0, "tie_word_embeddings": False, "num_experts": 8,
+                             "num_experts_per_tok": 2, "intermediate_size": 32}),
+    "qwen3_moe": ("Qwen3MoeModel", {"rope_theta": 1e6, "tie_word_embeddings": False, "head_dim": 32,
+                                    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                    "norm_topk_prob": True}),
 }
 # Rows whose embedding starts narrower than std 1: Gemma scales it by sqrt(hidden), and at std 1 its residual
 # stream is the embedding and nothing else (greedy repeats one token, whatever the window).
 _EMBED_STD = {"gemma3_text": _SHAPE["hidden_size"] ** -0.5}
 # The rows the round trip covers (phi3's LongRoPE tensors: not yet).
-GGUF_WRITTEN = ("llama", "qwen2", "qwen3", "gemma3_text")
+GGUF_WRITTEN = ("llama", "qwen2", "qwen3", "gemma3_text", "olmoe", "qwen3_moe")
+MOE = ("olmoe", "qwen3_moe")
 NEW_TOKENS = 12
 
 
@@ -61,7 +70,7 @@ def write_tiny_family(path: Path, model_type: str, seed: int = 0) -> Path:
 
     build_tiny_tokenizer_dir(path)
     config = AutoConfig.for_model(model_type, vocab_size=TINY_VOCAB_SIZE, bos_token_id=None, eos_token_id=None,
-                                  pad_token_id=None, **_SHAPE, **FAMILIES[model_type][1])
+                                  pad_token_id=None, **{**_SHAPE, **FAMILIES[model_type][1]})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
@@ -146,7 +155,11 @@ def test_f32_gguf_gives_the_same_tokens_as_safetensors(family_dir: Path, tmp_pat
     path = write_tiny_gguf(family_dir, tmp_path / "tiny.gguf")
     from_gguf = load_checkpoint(str(path))
     from_hf = load_checkpoint(str(family_dir))
-    assert from_gguf.weights.keys() == from_hf.weights.keys()
+    # GGUF stacks each layer's experts into one tensor a projection; HF holds one per expert.
+    assert from_gguf.weights.keys() == {re.sub(r"\.experts\.\d+\.", ".experts.", n) for n in from_hf.weights}
+    moe_fields = ("num_experts", "num_experts_per_tok", "expert_intermediate_size", "norm_topk_prob")
+    assert [getattr(from_gguf.config, f) for f in moe_fields] == [getattr(from_hf.config, f)
+                                                                  for f in moe_fields]
     prompts = _token_prompts(seed=8)
     assert _ours_greedy(str(path), prompts) == _ours_greedy(str(family_dir), prompts)
 
@@ -231,3 +244,53 @@ def test_gemma3_gguf_without_a_chat_template_gets_gemmas_turns(tmp_path: Path) -
                                           {"role": "user", "content": "Bye"}], bos_token="<bos>")
     assert text == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello."
                     "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+
+
+@pytest.mark.parametrize("model_type", MOE)
+@pytest.mark.parametrize("encoding", ["Q8_0", "Q4_0"])
+def test_quantized_gguf_with_packed_experts_matches_its_float_weights(model_type: str, encoding: str,
+                                                                      tmp_path: Path) -> None:
+    """A Q8_0 / Q4_0 GGUF (experts stacked and quantized, the router F32) built with its experts packed one
+    per expert for the int8-dot kernels, no dense copy: a mixed step's logits are those of the same file's
+    weights in float32 (the kernels' only rounding is the activations' ~15-bit codes)."""
+    from gguf import GGMLQuantizationType as QType
+
+    from tokenloop.model.int8_dot import int8_dot_available
+    from tokenloop.model.layers.moe import MoEWeights
+    from tokenloop.model.quantized import PackedLinear, PackThresholds
+
+    family = write_tiny_family(tmp_path / model_type, model_type)
+    path = write_tiny_gguf(family, tmp_path / "quantized.gguf", QType[encoding])
+    kept = load_checkpoint(str(path), keep_quantized=True)
+    cls = model_class(kept.config.architecture)
+    packed = cls.from_weights(kept.config, kept.weights, quantized=True,
+                              thresholds=PackThresholds.always_packed())
+    moe = packed.layers[0].moe
+    assert isinstance(moe, MoEWeights) and len(moe.gate_up) == kept.config.num_experts == 8
+    assert all(isinstance(w, PackedLinear) and w.dense is None for w in moe.gate_up + moe.down)
+    if int8_dot_available():
+        forms = {w.form for w in moe.gate_up + moe.down}
+        assert forms == {"q8_0_vnni" if encoding == "Q8_0" else "int4_vnni"}
+    dequantized = load_checkpoint(str(path))
+    reference = cls.from_weights(dequantized.config, dequantized.weights)
+    prompts = _prompts(kept.config.vocab_size, seed=1, shared_prefix=8)
+    for ours, ref in zip(_mixed_step_logits(packed, prompts, block_size=4),
+                         _mixed_step_logits(reference, prompts, block_size=4)):
+        _assert_relative_close(ours, ref, tolerance=5e-4)  # measured <= 9e-5
+
+
+@pytest.mark.parametrize(("model_type", "field", "value"), [("qwen3_moe", "mlp_only_layers", [1]),
+                                                            ("qwen3_moe", "decoder_sparse_step", 2),
+                                                            ("olmoe", "clip_qkv", 8.0)])
+def test_moe_configs_we_do_not_run_are_refused_by_name(model_type: str, field: str, value: Any,
+                                                       tmp_path: Path) -> None:
+    """Dense layers between expert layers, and OLMoE's Q/K/V clipping, are refused naming the field, not run
+    wrong."""
+    from tokenloop.errors import UnsupportedModelError
+    from tokenloop.model.loader import load_model_info
+
+    path = write_tiny_family(tmp_path / model_type, model_type)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(UnsupportedModelError, match=field):
+        load_model_info(str(path))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from tokenloop.model.loader import load_checkpoint
 
 
 # HF model_type -> the GGUF general.architecture llama.cpp's converter writes, where they differ.
-_GGUF_ARCH = {"gemma3_text": "gemma3"}
+_GGUF_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
 
 
 def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -68,6 +69,12 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
     if config.get("query_pre_attn_scalar"):
         writer.add_attention_scale(config["query_pre_attn_scalar"] ** -0.5)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:  # as llama.cpp's converters write them: no key for top-k renormalization (a family default)
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -82,8 +89,7 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
     names_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == names_from)
     names = gguf.get_tensor_name_map(names_arch, config["num_hidden_layers"])
     permuted = model_type == "llama"  # convert_hf_to_gguf interleaves Q/K rows of llama-arch models only
-    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
-        array = tensor.numpy()
+    for name, array in _experts_stacked(load_file(str(hf_dir / "model.safetensors"))).items():
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if arch == "gemma3" and name.endswith("norm.weight"):
             array = array + np.float32(1.0)  # the converter stores Gemma's (1 + w) norms with the 1 added
@@ -91,7 +97,8 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
             array = _llama_cpp_permute(array, heads)
         elif permuted and name.endswith("self_attn.k_proj.weight"):
             array = _llama_cpp_permute(array, kv_heads)
-        if array.ndim == 2 and tensor_type != QType.F32:  # norms stay F32, as in real files
+        # Norms and routers stay F32, as in real files; stacked experts are quantized like matrices.
+        if array.ndim >= 2 and tensor_type != QType.F32 and not gguf_name.endswith("ffn_gate_inp.weight"):
             writer.add_tensor(gguf_name, quantize(array, tensor_type), raw_dtype=tensor_type)
         else:
             writer.add_tensor(gguf_name, array)
@@ -99,6 +106,22 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _experts_stacked(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """HF's tensors as numpy arrays, each layer's per-expert projections (`mlp.experts.3.up_proj.weight`)
+    stacked into one [experts, rows, columns] array under the name without the index, as GGUF holds them."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, tensor in tensors.items():
+        match = re.fullmatch(r"(.*\.experts)\.(\d+)\.(.*)", name)
+        if match is None:
+            out[name] = tensor.numpy()
+        else:
+            stacks.setdefault(f"{match[1]}.{match[3]}", {})[int(match[2])] = tensor.numpy()
+    for name, parts in stacks.items():
+        out[name] = np.stack([parts[e] for e in range(len(parts))])
     return out
 
 

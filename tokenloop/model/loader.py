@@ -173,6 +173,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelConfig:
     # An attention scale other than head_dim ** -0.5 where the file states one (llama.cpp's Gemma 3 loader
     # assumes head_dim, and hidden / heads for the 27B shape, which no file states).
     scale = float(meta.get(f"{arch}.attention.scale") or 0.0)
+    num_experts = int(meta.get(f"{arch}.expert_count") or 0)
     try:
         return ModelConfig(
             architecture=arch,
@@ -193,6 +194,12 @@ def _gguf_config(gguf: GGUFFile) -> ModelConfig:
             sliding_window=window if any(sliding) else 0,
             rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", family.gguf_sliding_rope_theta)),
             query_pre_attn_scalar=scale ** -2 if scale > 0 else 0.0,
+            num_experts=num_experts,
+            num_experts_per_tok=int(meta.get(f"{arch}.expert_used_count") or 0),
+            # OLMoE's files give the experts' width as the feed-forward length; Qwen3-MoE's under its own key.
+            expert_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length")
+                                         or get("feed_forward_length")) if num_experts else 0,
+            norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", family.gguf_expert_weights_norm)),
         )
     except ConfigError as exc:
         raise ModelLoadError(f"{gguf.path}: {exc}") from exc
@@ -239,7 +246,8 @@ def _load_gguf(path: Path, keep_quantized: bool = False,
         if hf_name is None:
             raise UnsupportedModelError(f"{path}: unexpected tensor {name!r} for a {arch.name} model")
         order = rope_row_order(name, info.shape[0], config)
-        if keep_quantized and len(info.shape) == 2 and info.tensor_type not in _FLOAT_TYPES:
+        # Matrices, and stacked experts [experts, rows, columns] (rows folded together: `stack_experts`).
+        if keep_quantized and len(info.shape) in (2, 3) and info.tensor_type not in _FLOAT_TYPES:
             # Blocks never span rows, so the permutation is undone on the raw rows, exactly.
             kept = GGMLTensor.from_raw(info.tensor_type, info.shape, gguf.raw(name))
             weights[hf_name] = kept if order is None else kept.take_rows(order)
@@ -310,6 +318,12 @@ def _hf_config(path: Path) -> ModelConfig:
         if not layer_types and pattern and raw.get("sliding_window"):
             layer_types = _layer_types([(i + 1) % pattern != 0 for i in range(num_layers)])
         sliding = "sliding_attention" in layer_types
+        num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        if num_experts and (raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step") or 1) != 1):
+            raise UnsupportedModelError(f"{config_file}: dense MLP layers between expert layers "
+                                        "(mlp_only_layers, decoder_sparse_step) are not supported")
+        if raw.get("clip_qkv") is not None:
+            raise UnsupportedModelError(f"{config_file}: clip_qkv is not supported")
         return ModelConfig(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -331,6 +345,11 @@ def _hf_config(path: Path) -> ModelConfig:
             sliding_window=int(raw.get("sliding_window") or 0) if sliding else 0,
             rope_local_theta=float(local_raw.get("rope_theta", raw.get("rope_local_base_freq") or 0.0)),
             query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 0.0),
+            num_experts=num_experts,
+            num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0) if num_experts else 0,
+            expert_intermediate_size=int(raw.get("moe_intermediate_size") or raw["intermediate_size"])
+            if num_experts else 0,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{config_file}: missing field {exc.args[0]!r}") from exc

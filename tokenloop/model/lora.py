@@ -204,6 +204,9 @@ def _pairs(where: str, halves: dict[tuple[int, str], dict[str, torch.Tensor]], c
         if layer >= config.num_layers:
             raise AdapterLoadError(f"{label}: the base model has only {config.num_layers} layers "
                                    "(an adapter of another base model?)")
+        if config.num_experts and module in ("gate_proj", "up_proj", "down_proj"):
+            raise AdapterLoadError(f"{label}: the base model's MLP is a mixture of experts; adapters on "
+                                   "experts are not supported (attention projections only)")
         a, b = found["A"], found["B"]
         out_features, in_features = shapes[module]
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):

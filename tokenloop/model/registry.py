@@ -35,6 +35,9 @@ class Architecture:
     # text that ends a turn (an end-of-generation id besides eos).
     gguf_chat_template: str = ""
     gguf_end_of_turn: str = ""
+    # Whether a GGUF of this mixture-of-experts family renormalizes the top-k router weights where its
+    # metadata does not say (`expert_weights_norm`): llama.cpp's own choice per family.
+    gguf_expert_weights_norm: bool = False
 
     @property
     def gguf_arch(self) -> str:
@@ -43,6 +46,7 @@ class Architecture:
 
 _LLAMA = "tokenloop.model.models.llama:LlamaModel"
 _GEMMA3 = "tokenloop.model.models.gemma3:Gemma3Model"
+_QWEN3_MOE = "tokenloop.model.models.qwen3_moe:Qwen3MoeModel"
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("llama", _LLAMA, ("LlamaForCausalLM",), gguf_permutes_qk=True),
     Architecture("mistral", _LLAMA, ("MistralForCausalLM",), gguf_names="llama", gguf_permutes_qk=True),
@@ -52,6 +56,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("gemma3", _GEMMA3, (), gguf_sliding_pattern=6, gguf_sliding_rope_theta=10000.0,
                  gguf_chat_template="gemma", gguf_end_of_turn="<end_of_turn>"),
     Architecture("gemma3_text", _GEMMA3, ("Gemma3ForCausalLM",), gguf_names="gemma3"),
+    Architecture("olmoe", "tokenloop.model.models.olmoe:OlmoeModel", ("OlmoeForCausalLM",)),
+    Architecture("qwen3moe", _QWEN3_MOE, (), gguf_expert_weights_norm=True),
+    Architecture("qwen3_moe", _QWEN3_MOE, ("Qwen3MoeForCausalLM",), gguf_names="qwen3moe"),
 )}
 
 

@@ -8,6 +8,7 @@ the model class lists the HF names it may take and the map gives each one's GGUF
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -46,9 +47,9 @@ def gguf_to_hf_names(gguf_arch: str, num_layers: int, hf_names: Iterable[str]) -
 @dataclass
 class WeightSource:
     """A checkpoint's HF-named tensors, handed out in the forms the model runs: `take` a vector or matrix,
-    `fuse` several projections into one matrix (Q/K/V, gate/up), packed for the quantized kernels where the
-    checkpoint's blocks allow. One tensor is converted at a time: the whole model never exists in float32
-    unless asked.
+    `fuse` several projections into one matrix (Q/K/V, gate/up), `stack_experts` one per expert, packed for
+    the quantized kernels where the checkpoint's blocks allow. One tensor is converted at a time: the whole
+    model never exists in float32 unless asked.
 
     `dtype` is the activations' (norms, biases, embeddings), `matrix_dtype` the projections'. With
     `quantized` (CPU only), `GGMLTensor` projections run packed (int4 / Q8_0) for small batches and in
@@ -76,12 +77,41 @@ class WeightSource:
 
     def fuse(self, names: list[str], as_dtype: torch.dtype | None = None) -> Weight:
         """The named matrices stacked by rows into one projection (packed when all are quantized blocks)."""
-        parts = [self.raw(n) for n in names]
+        return self._join([self.raw(n) for n in names], as_dtype or self.matrix_dtype, self.thresholds)
+
+    def stack_experts(self, names: list[str], count: int) -> list[Weight]:
+        """Each of `count` experts' projections `names` (with `{}` for the expert index, e.g.
+        `mlp.experts.{}.gate_proj.weight`) fused by rows, one projection per expert. A checkpoint holds them
+        one tensor per expert (HF) or stacked in one [count, rows, columns] tensor under the name without the
+        index (GGUF's `ffn_*_exps`). Packed experts keep no dense copy: a step reads only the experts its
+        tokens chose, so each one's rows are few, and a copy of all of them would double the bytes held."""
+        packed_only = dataclasses.replace(self.thresholds, keep_dense=False)
+        stacked = [self.weights.get(name.replace(".{}", "")) for name in names]
+        return [self._join([self._expert(name, whole, expert, count) for name, whole in zip(names, stacked)],
+                           self.matrix_dtype, packed_only) for expert in range(count)]
+
+    def _expert(self, name: str, stacked: torch.Tensor | GGMLTensor | None, expert: int,
+                count: int) -> torch.Tensor | GGMLTensor:
+        """Expert `expert`'s matrix of projection `name`, from a stacked tensor or its own."""
+        if stacked is None:
+            return self.raw(name.format(expert))
+        if isinstance(stacked, GGMLTensor):
+            rows = stacked.shape[0] // count  # a GGMLTensor folds the expert axis into its rows
+            return GGMLTensor(stacked.tensor_type, (rows, stacked.shape[1]),
+                              stacked.blocks[expert * rows:(expert + 1) * rows])
+        if stacked.dim() != 3 or stacked.shape[0] != count:
+            raise ModelLoadError(f"stacked experts {name.replace('.{}', '')!r}: [{count}, rows, columns] "
+                                 f"expected, got {tuple(stacked.shape)}")
+        return stacked[expert]
+
+    def _join(self, parts: list[torch.Tensor | GGMLTensor], as_dtype: torch.dtype,
+              thresholds: PackThresholds) -> Weight:
+        """Matrices stacked by rows into one projection, packed when all are quantized blocks."""
         if self.quantized and all(isinstance(p, GGMLTensor) for p in parts):
             joined = GGMLTensor.concat(parts)  # type: ignore[arg-type]
             if joined is not None:
-                return pack_linear(joined, self.thresholds, dense_dtype=self.dense_copy_dtype)
-        return torch.cat([self.take(n, as_dtype or self.matrix_dtype) for n in names], dim=0).contiguous()
+                return pack_linear(joined, thresholds, dense_dtype=self.dense_copy_dtype)
+        return torch.cat([dense_weight(p, as_dtype).to(self.device) for p in parts], dim=0).contiguous()
 
     def embedding_and_head(self, embed_name: str, head_name: str, tied: bool,
                            ) -> tuple[torch.Tensor | QuantizedEmbedding, Weight]:

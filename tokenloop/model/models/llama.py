@@ -24,7 +24,7 @@ from tokenloop.model.attention import AttentionMetadata, paged_attention, triton
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.layers import kv
 from tokenloop.model.layers.linear import LMHead, Weight, linear
-from tokenloop.model.layers.mlp import gated_mlp
+from tokenloop.model.layers.mlp import Adapt, gated_mlp
 from tokenloop.model.layers.norm import head_rms_norm_, rms_norm
 from tokenloop.model.layers.rotary import RotaryTables, apply_rope, longrope_frequencies, rope_inverse_frequencies
 from tokenloop.model.quantized import PackedLinear, PackThresholds, QuantizedEmbedding
@@ -41,8 +41,8 @@ class LayerWeights:
     qkv_bias: torch.Tensor | None
     o_proj: Weight
     post_attention_norm: torch.Tensor
-    gate_up: Weight  # [2 * intermediate, hidden]
-    down: Weight
+    gate_up: Weight | None  # [2 * intermediate, hidden]; None where experts replace the MLP (layers/moe.py)
+    down: Weight | None
     q_norm: torch.Tensor | None = None  # [D]: RMSNorm of each Q head before rotary (Qwen3)
     k_norm: torch.Tensor | None = None
 
@@ -157,15 +157,24 @@ class LlamaModel:
         bias = None
         if config.attention_bias:
             bias = source.fuse([p + f"self_attn.{x}_proj.bias" for x in "qkv"], source.dtype)
+        gate_up, down = cls.mlp_weights(source, config, index)
         return LayerWeights(
             input_norm=source.take(p + "input_layernorm.weight"),
             qkv=source.fuse([p + f"self_attn.{x}_proj.weight" for x in "qkv"]),
             qkv_bias=bias,
             o_proj=source.fuse([p + "self_attn.o_proj.weight"]),
             post_attention_norm=source.take(p + "post_attention_layernorm.weight"),
-            gate_up=source.fuse([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-            down=source.fuse([p + "mlp.down_proj.weight"]),
+            gate_up=gate_up,
+            down=down,
         )
+
+    @classmethod
+    def mlp_weights(cls, source: WeightSource, config: ModelConfig, index: int) -> tuple[Weight | None,
+                                                                                         Weight | None]:
+        """Layer `index`'s MLP: gate/up fused, and down (None, None where a family's experts replace it)."""
+        p = f"model.layers.{index}.mlp."
+        gate_up = source.fuse([p + "gate_proj.weight", p + "up_proj.weight"])
+        return gate_up, source.fuse([p + "down_proj.weight"])
 
     @classmethod
     def rotary_frequencies(cls, source: WeightSource, config: ModelConfig, context: int) -> tuple[torch.Tensor,
@@ -270,8 +279,7 @@ class LlamaModel:
             qkv = linear(normed, layer.qkv, layer.qkv_bias)
             if adapt is not None:
                 adapt(qkv, normed, "qkv")
-            if layer.q_norm is not None and layer.k_norm is not None:
-                head_rms_norm_(qkv, layer.q_norm, layer.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
+            self.normalize_qk(layer, qkv)
             # Q and K heads are adjacent in the fused output: rotate them in one go.
             qk = apply_rope(qkv[:, :q_size + kv_size].view(num_tokens, num_qk_heads, cfg.head_dim), cos, sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
@@ -280,7 +288,19 @@ class LlamaModel:
             attended = attended.view(num_tokens, q_size)
             attention_out = linear(attended, layer.o_proj)
             hidden = hidden + (attention_out if adapt is None else adapt(attention_out, attended, "o_proj"))
-            hidden = hidden + gated_mlp(rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps),
-                                        layer.gate_up, layer.down, adapt=adapt)
+            hidden = hidden + self.feed_forward(layer, rms_norm(hidden, layer.post_attention_norm,
+                                                                cfg.rms_norm_eps), adapt)
             tick()
         return hidden
+
+    def normalize_qk(self, layer: LayerWeights, qkv: torch.Tensor) -> None:
+        """Normalize Q and K of a fused [T, (H + 2 KVH) * D] projection in place, where the layer has QK-norm
+        weights: per head (Qwen3), before rotary."""
+        if layer.q_norm is not None and layer.k_norm is not None:
+            cfg = self.config
+            head_rms_norm_(qkv, layer.q_norm, layer.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
+
+    def feed_forward(self, layer: LayerWeights, normed: torch.Tensor, adapt: Adapt | None = None) -> torch.Tensor:
+        """The layer's MLP over the normalized residual stream [T, hidden]; `adapt` adds LoRA's products."""
+        assert layer.gate_up is not None and layer.down is not None
+        return gated_mlp(normed, layer.gate_up, layer.down, adapt=adapt)

@@ -1,0 +1,108 @@
+"""The mixture-of-experts block (OLMoE, Qwen3-MoE): a router picks each token's top-k experts, and the block's
+output is their gated MLPs' sum, weighted by the router's softmax (renormalized over the chosen k or not).
+
+A step's (token, expert) pairs are sorted by expert, so each active expert runs one matmul pair over all the
+tokens routed to it, and an expert no token chose is never read: with packed quantized experts a batch-1
+decode step streams only its k experts' bytes of every layer (k / num_experts of the expert weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenloop.model.layers.linear import Weight, linear
+from tokenloop.model.layers.mlp import gated_mlp
+from tokenloop.model.quantized import PackedLinear
+
+
+@dataclass
+class MoEWeights:
+    """One layer's experts: the router [num_experts, hidden] (dense) and each expert's gate/up (gate's rows
+    above up's) and down projections, in whichever form they run."""
+
+    router: torch.Tensor
+    gate_up: list[Weight]
+    down: list[Weight]
+    top_k: int
+    normalize: bool  # renormalize the top-k weights to sum to 1 (Qwen3-MoE), or keep the softmax's (OLMoE)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.gate_up)
+
+    def expert_bytes(self, expert: int) -> int:
+        """The bytes expert `expert`'s two projections hold."""
+        return sum(_weight_bytes(w) for w in (self.gate_up[expert], self.down[expert]))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Each token's chosen experts [T, k] (int64) and their weights [T, k] (the activations' dtype)."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """A step's (token, expert) pairs sorted by expert: `tokens` [T * k] is each pair's token, `slots` [T * k]
+    its position in the flattened [T, k] routing, and `counts` how many pairs each expert has (a Python list:
+    the split sizes)."""
+
+    tokens: torch.Tensor
+    slots: torch.Tensor
+    counts: list[int]
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> Routing:
+    """The router's softmax over experts (in float32), its top k, renormalized to sum 1 if `normalize`."""
+    probs = torch.softmax(linear(x, router).float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights.to(x.dtype))
+
+
+def group_by_expert(experts: torch.Tensor, num_experts: int) -> ExpertGroups:
+    """Sort the flattened routing [T, k] by expert id (stable: tokens keep their order within an expert)."""
+    flat = experts.reshape(-1)
+    slots = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return ExpertGroups(slots // experts.shape[1], slots, counts)
+
+
+def moe_block(x: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+    """x [T, hidden] -> the routed experts' weighted sum [T, hidden]."""
+    routing = route(x, weights.router, weights.top_k, weights.normalize)
+    groups = group_by_expert(routing.experts, weights.num_experts)
+    gathered = x.index_select(0, groups.tokens)
+    outputs = []
+    start = 0
+    for expert, count in enumerate(groups.counts):
+        if count == 0:
+            continue  # no token chose it: its weights stay unread
+        rows = gathered[start:start + count]
+        outputs.append(gated_mlp(rows, weights.gate_up[expert], weights.down[expert]))
+        start += count
+    # Back to [T, k] order and summed over k, in the same order whatever the batch (an index_add_ here ran
+    # 150 ms for one decode token: torch's deterministic mode turns it into a serial scatter).
+    by_slot = (torch.cat(outputs) if outputs else gathered).index_select(0, torch.argsort(groups.slots))
+    tokens, k = routing.weights.shape
+    return (by_slot.view(tokens, k, x.shape[1]) * routing.weights.unsqueeze(-1)).sum(dim=1)
+
+
+def active_expert_bytes(x: torch.Tensor, weights: MoEWeights) -> tuple[int, int]:
+    """(bytes of the experts a step over `x` reads, bytes of all experts): what routing saves."""
+    experts = route(x, weights.router, weights.top_k, weights.normalize).experts.unique().tolist()
+    total = sum(weights.expert_bytes(e) for e in range(weights.num_experts))
+    return sum(weights.expert_bytes(e) for e in experts), total
+
+
+def _weight_bytes(weight: Weight) -> int:
+    if isinstance(weight, PackedLinear):
+        dense = 0 if weight.dense is None else weight.dense.numel() * weight.dense.element_size()
+        return weight.packed.nbytes + dense
+    return weight.numel() * weight.element_size()
+
