@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tokenloop.config import KVGroup
 from tokenloop.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenloop.request import Request, SamplingParams
 from tokenloop.runner import BlockTables, ModelRunner
@@ -28,6 +29,9 @@ class _CapturingModel:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list:
         return []
+
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        return (KVGroup(),)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list,
                 logits_indices: torch.Tensor) -> torch.Tensor:

@@ -122,8 +122,9 @@ class AttentionMetadata:
                     span = min(max_blocks, (window - 1) // block_size + 2)
                     block_pos = ((lens - window).clamp(min=0) // block_size)[:, None] + block_pos[:, :span]
                     picked = blocks.gather(1, block_pos.clamp(max=max_blocks - 1))
-                # Padding entries past a request's last block may hold garbage ids: point them at its first.
-                decode.block_index = torch.where(block_pos < valid_blocks[:, None], picked, blocks[:, :1])
+                # Padding entries past a request's last block may hold garbage ids: point them at the first
+                # block gathered (a window's first: blocks before it may be released, id -1, never read).
+                decode.block_index = torch.where(block_pos < valid_blocks[:, None], picked, picked[:, :1])
                 offsets = torch.arange(block_size, device=device)
                 key_pos = (block_pos[..., None] * block_size + offsets).flatten(-2)
                 visible = key_pos < lens[:, None]
