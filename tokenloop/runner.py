@@ -9,8 +9,9 @@ that asked for prompt logprobs.
 Block tables live in one persistent `[rows, max blocks]` array per KV group (docs/kv-groups.md): a
 request gets a row on admission, the scheduler's diffs append to it, and a release frees it. Each group
 has its own slot mapping and `AttentionMetadata` a step; a sliding group's attends over its window only.
-A step's tensors are then computed over the whole batch at once from a few per-request numbers, so a step's cost does not grow with how long
-the requests' outputs are, beyond the block-table rows the attention reads anyway.
+A step's tensors are then computed over the whole batch at once from a few per-request numbers, so a
+step's cost does not grow with how long the requests' outputs are, beyond the block-table rows the
+attention reads anyway.
 """
 
 from __future__ import annotations

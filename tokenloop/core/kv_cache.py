@@ -141,8 +141,9 @@ class BlockPool:
 
     The index and the blocks' `block_hash` fields mirror each other exactly: a block carries a hash iff
     its group's index maps that hash to it. Every KV group draws from the one free queue; a block taken
-    for group g holds g's layers, so the index keeps one hash -> block map per group. When two requests compute the same block independently, only the
-    first copy is indexed; the second stays anonymous and is recycled first once free.
+    for group g holds g's layers, so the index keeps one hash -> block map per group. When two requests
+    compute the same block independently, only the first copy is indexed; the second stays anonymous and
+    is recycled first once free.
 
     `events`, when given, receives a `BlockStored` per run of blocks published together, a `BlockRemoved`
     per `take` that evicts hashes and an `AllBlocksCleared` per prefix-cache reset.
