@@ -94,8 +94,10 @@ class AttentionMetadata:
         window: int = 0,
     ) -> AttentionMetadata:
         """The layout from the step's flat tensors; `query_start_loc` [B+1] and `seq_lens` [B] may be int64
-        host tensors (the runner's, built over the batch at once) or lists. With a `window`, each query sees
-        only the `window` latest keys up to itself, through masks (the in-place kernels know no window)."""
+        host tensors (the runner's, built over the batch at once) or lists. With a `window` (a sliding KV
+        group's, docs/kv-groups.md), each query sees only the `window` latest keys up to itself, through
+        masks (the in-place kernels know no window), and reads only the blocks from the one holding the
+        first key it sees: blocks before it may be released (id -1 in the table) and are never read."""
         if window > 0:
             decode_kernel = prefill_kernel = None
         device = slot_mapping.device
@@ -162,11 +164,6 @@ class AttentionMetadata:
             prefills.append(PrefillSpan(start, start + q_len, slots, mask))
         return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, prefills, None,
                    window)
-
-    def windowed(self, window: int) -> AttentionMetadata:
-        """The same step's layout for layers that attend over a sliding window of `window` keys."""
-        return AttentionMetadata.build(self.query_start_loc, self.seq_lens, self.block_table,
-                                       self.slot_mapping, self.block_size, window=window)
 
 
 def triton_attention_kernels() -> ModuleType | None:
