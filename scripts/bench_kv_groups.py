@@ -25,12 +25,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer_dir  # noqa: E402
-from tokenloop.config import build_engine_config  # noqa: E402
-from tokenloop.core.engine_core import EngineCore  # noqa: E402
-from tokenloop.core.messages import CoreRequest  # noqa: E402
-from tokenloop.model.loader import load_checkpoint  # noqa: E402
-from tokenloop.request import SamplingParams  # noqa: E402
+from tests.tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer_dir
+from tokenloop.config import build_engine_config
+from tokenloop.core.engine_core import EngineCore
+from tokenloop.core.messages import CoreRequest
+from tokenloop.model.loader import load_checkpoint
+from tokenloop.request import SamplingParams
 
 NUM_LAYERS, PATTERN, WINDOW = 18, 6, 512  # Gemma 3 270M
 

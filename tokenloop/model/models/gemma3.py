@@ -25,7 +25,11 @@ from tokenloop.model.layers import kv
 from tokenloop.model.layers.linear import linear
 from tokenloop.model.layers.mlp import gated_mlp, gelu_tanh
 from tokenloop.model.layers.norm import head_rms_norm_, offset_norm_weight, rms_norm
-from tokenloop.model.layers.rotary import RotaryTables, apply_rope, rope_inverse_frequencies
+from tokenloop.model.layers.rotary import (
+    RotaryTables,
+    apply_rope,
+    rope_inverse_frequencies,
+)
 from tokenloop.model.models.llama import LayerWeights, LlamaModel
 from tokenloop.model.weights import WeightSource
 
