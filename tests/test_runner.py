@@ -8,8 +8,10 @@ from typing import Any
 
 import torch
 
-from tokenloop.core.scheduler import ScheduledRequest, SchedulerOutput
-from tokenloop.request import Request, SamplingParams
+from tokenloop.config import KVGroup, SchedulerConfig
+from tokenloop.core.kv_cache import KVCacheManager
+from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from tokenloop.request import Request, RequestStatus, SamplingParams
 from tokenloop.runner import BlockTables, ModelRunner
 
 BLOCK_SIZE = 4
@@ -28,6 +30,11 @@ class _CapturingModel:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list:
         return []
+
+    groups: tuple[KVGroup, ...] = (KVGroup(),)
+
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        return self.groups
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list,
                 logits_indices: torch.Tensor) -> torch.Tensor:
@@ -132,3 +139,60 @@ def test_block_tables_reuse_rows_and_grow() -> None:
     tables.append(tables.reset("b"), [4])  # re-admission empties its own row first
     assert tables.get("b") == [4]
     tables.release("missing")  # releasing an unknown request is a no-op
+
+
+@dataclass
+class _GroupsCapturingModel(_CapturingModel):
+    """Keeps each step's layouts, one per KV group."""
+
+    metas: list[Any] = field(default_factory=list)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any, kv_caches: list,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        self.metas.append(meta)
+        return logits_indices.float().unsqueeze(1).expand(-1, VOCAB).clone()
+
+
+def test_every_kv_group_gets_its_own_table_slots_and_window() -> None:
+    """Over the real scheduler and a full + sliding KV cache: each group's step layout addresses the blocks
+    of that group's table, the sliding one with its window, and no slot is a released block's."""
+    groups = (KVGroup("full"), KVGroup("sliding", 6))
+    kv = KVCacheManager(64, BLOCK_SIZE, groups=groups)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=7, long_prefill_token_threshold=0), kv, 128)
+    model = _GroupsCapturingModel(groups=groups)
+    metas = model.metas
+    runner = ModelRunner(model, num_blocks=64, block_size=BLOCK_SIZE)  # type: ignore[arg-type]
+    requests = [_request("a", 30, 0), _request("b", 9, 0)]
+    for request in requests:
+        scheduler.add_request(request)
+    released_seen = False  # the sliding group released what its window passed, while "a" ran
+    for step in range(30):
+        output = scheduler.schedule()
+        if not output.scheduled:
+            break
+        runner.apply_block_diffs(output)
+        runner.execute(output)
+        full, sliding = metas[-1]
+        assert (full.window, sliding.window) == (0, 6)
+        position = 0
+        for item in output.scheduled:
+            for group, meta in enumerate((full, sliding)):
+                table = kv.get_block_ids(item.request_id, group)
+                # The runner's row holds the group's table, but for entries released since (never read).
+                row = runner.block_table(item.request_id, group)
+                assert all(mine == theirs for mine, theirs in zip(row, table) if theirs >= 0)
+                for pos in range(item.num_computed_tokens, item.num_computed_tokens + item.num_tokens):
+                    slot = meta.slot_mapping[position + pos - item.num_computed_tokens].item()
+                    assert table[pos // BLOCK_SIZE] >= 0 and slot == table[pos // BLOCK_SIZE] * BLOCK_SIZE \
+                        + pos % BLOCK_SIZE
+            position += item.num_tokens
+        scheduler.update_from_output(output)
+        for item in output.scheduled:
+            if item.samples:
+                item.request.append_output_token(step % VOCAB)
+                if item.request.num_output_tokens >= 6:
+                    scheduler.finish_request(item.request_id, RequestStatus.FINISHED_LENGTH)
+        released_seen = released_seen or any(b < 0 for b in kv.get_block_ids("a", 1))
+    assert all(r.num_output_tokens >= 6 for r in requests) and released_seen
+    kv.check_invariants([])
+    assert kv.num_free_blocks == kv.num_blocks

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -52,6 +53,20 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class KVGroup:
+    """Layers of one attention kind whose K/V share one block table per request (docs/kv-groups.md).
+
+    A "full" group keeps every block of a request; a "sliding" one only the blocks its `window` of keys
+    (the query included) still covers. Every group of a model has the same number of layers, so one
+    block of the KV pool holds the same bytes whichever group takes it.
+    """
+
+    kind: Literal["full", "sliding"] = "full"
+    window: int = 0
+    layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder, as read from a checkpoint (`architecture`: a name in model/registry.py)."""
 
@@ -90,6 +105,22 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` attends over a sliding window."""
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The layers split into equal groups by attention kind, full groups first (group 0 is full).
+
+        The group size is the gcd of the full and sliding layer counts (Gemma 3 270M: 3 global, 15
+        sliding -> six groups of 3); a model without sliding layers is one full group.
+        """
+        sliding = [i for i in range(self.num_layers) if self.is_sliding(i)]
+        full = [i for i in range(self.num_layers) if not self.is_sliding(i)]
+        if not sliding or not full:
+            kind: Literal["full", "sliding"] = "sliding" if sliding else "full"
+            return (KVGroup(kind, self.sliding_window if sliding else 0, tuple(range(self.num_layers))),)
+        size = math.gcd(len(full), len(sliding))
+        return (tuple(KVGroup("full", 0, tuple(full[i:i + size])) for i in range(0, len(full), size))
+                + tuple(KVGroup("sliding", self.sliding_window, tuple(sliding[i:i + size]))
+                        for i in range(0, len(sliding), size)))
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

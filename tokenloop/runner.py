@@ -6,10 +6,12 @@ the last position of each request that samples this step (every position of a ro
 drafts: its real token's and each draft's, to verify them), and every prompt position of a request
 that asked for prompt logprobs.
 
-Block tables live in one persistent `[rows, max blocks]` array: a request gets a row on admission,
-the scheduler's diffs append to it, and a release frees it. A step's tensors are then computed over
-the whole batch at once from a few per-request numbers, so a step's cost does not grow with how long
-the requests' outputs are, beyond the block-table rows the attention reads anyway.
+Block tables live in one persistent `[rows, max blocks]` array per KV group (docs/kv-groups.md): a
+request gets a row on admission, the scheduler's diffs append to it, and a release frees it. Each group
+has its own slot mapping and `AttentionMetadata` a step; a sliding group's attends over its window only.
+A step's tensors are then computed over the whole batch at once from a few per-request numbers, so a
+step's cost does not grow with how long the requests' outputs are, beyond the block-table rows the
+attention reads anyway.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tokenloop.config import KVGroup
 from tokenloop.core.scheduler import ScheduledRequest, SchedulerOutput
 from tokenloop.model.attention import AttentionMetadata
 from tokenloop.model.lora_slots import AdapterSlots, LoRABatch
@@ -134,7 +137,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = model.device
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
-        self.tables = BlockTables()
+        self.groups: tuple[KVGroup, ...] = model.kv_groups()
+        self.group_tables = [BlockTables() for _ in self.groups]
+        self.tables = self.group_tables[0]
 
     def apply_block_diffs(self, output: SchedulerOutput) -> None:
         """Bring the persistent block tables up to this step: drop released requests, append new blocks.
@@ -142,26 +147,31 @@ class ModelRunner:
         Called once per step before `execute` (which may run more than once for one step when a forward
         fails and the engine isolates the culprit).
         """
-        tables = self.tables
-        for request_id in output.released_request_ids:
-            tables.release(request_id)
-        rows = tables.rows
-        for item in output.scheduled:
-            if item.admitted:
-                tables.append(tables.reset(item.request_id), item.new_block_ids)
-            elif item.new_block_ids:
-                tables.append(rows[item.request_id], item.new_block_ids)
+        for group, tables in enumerate(self.group_tables):
+            for request_id in output.released_request_ids:
+                tables.release(request_id)
+            rows = tables.rows
+            for item in output.scheduled:
+                new_ids = item.new_block_ids if item.group_block_ids is None else item.group_block_ids[group]
+                if item.admitted:
+                    tables.append(tables.reset(item.request_id), new_ids)
+                elif new_ids:
+                    tables.append(rows[item.request_id], new_ids)
 
-    def block_table(self, request_id: str) -> list[int]:
-        return self.tables.get(request_id)
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        return self.group_tables[group].get(request_id)
 
     # ---- one block's K/V as bytes, for a handoff ---------------------------------------------------
 
     @property
     def kv_layout(self) -> str:
-        """What a block's bytes mean: dtype, layers, KV heads, head dim (engines must agree to swap K/V)."""
+        """What a block's bytes mean: dtype, layers, KV heads, head dim, and the KV groups when there are
+        several (kind and window each: engines must agree to swap K/V)."""
         key = self.kv_caches[0][0]
-        return f"{str(key.dtype).removeprefix('torch.')}:{len(self.kv_caches)}x{key.shape[2]}x{key.shape[3]}"
+        layout = f"{str(key.dtype).removeprefix('torch.')}:{len(self.kv_caches)}x{key.shape[2]}x{key.shape[3]}"
+        if len(self.groups) > 1:
+            layout += ":" + ",".join(f"{g.kind}{g.window or ''}" for g in self.groups)
+        return layout
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -222,6 +232,13 @@ class ModelRunner:
         width = int((seq_lens.max() + block_size - 1) // block_size)
         table = tables.table[rows, :width]
         slots = table[token_rows, positions // block_size] * block_size + positions % block_size
+        group_layouts = [(table, slots)]
+        for group_tables in self.group_tables[1:]:  # the same positions through each group's own blocks
+            group_rows = np.fromiter((group_tables.rows[item.request_id] for item in scheduled), np.int64,
+                                     len(scheduled))
+            group_table = group_tables.table[group_rows, :width]
+            group_layouts.append((group_table, group_table[token_rows, positions // block_size] * block_size
+                                  + positions % block_size))
 
         samples = np.fromiter((item.samples for item in scheduled), np.bool_, len(scheduled))
         sample_indices = np.flatnonzero(samples)
@@ -236,10 +253,13 @@ class ModelRunner:
 
         # The step's metadata is host numbers (numpy); it goes to the device here, and nothing comes back.
         device = self.device
-        meta = AttentionMetadata.build(torch.from_numpy(query_start_loc), torch.from_numpy(seq_lens),
-                                       torch.from_numpy(table).to(device), torch.from_numpy(slots).to(device),
-                                       block_size, self.model.decode_kernel,
-                                       self.model.prefill_kernel)
+        host_starts, host_lens = torch.from_numpy(query_start_loc), torch.from_numpy(seq_lens)
+        metas = [AttentionMetadata.build(host_starts, host_lens, torch.from_numpy(group_table).to(device),
+                                         torch.from_numpy(group_slots).to(device), block_size,
+                                         self.model.decode_kernel, self.model.prefill_kernel,
+                                         window=group.window if group.kind == "sliding" else 0)
+                 for group, (group_table, group_slots) in zip(self.groups, group_layouts)]
+        meta = metas[0] if len(metas) == 1 else metas
         events = None
         if device.type == "cuda":
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

@@ -24,7 +24,10 @@ class PagedHarness:
     def __init__(self, model: LlamaModel, num_blocks: int = 256, block_size: int = 16) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv = model.allocate_kv_cache(num_blocks, block_size)
+        # A model with several KV groups: group g's copy of block b is block b + g * num_blocks of the pool.
+        self.groups = model.kv_groups()
+        self.num_blocks = num_blocks
+        self.kv = model.allocate_kv_cache(num_blocks * len(self.groups), block_size)
         self.free = list(range(num_blocks))[::-1]  # scrambled relative to sequence order on purpose
         self.free = self.free[1::2] + self.free[0::2]
 
@@ -50,8 +53,13 @@ class PagedHarness:
             seq.num_computed = end
         width = max(len(seq.blocks) for seq, _ in work)
         table = torch.tensor([seq.blocks + [0] * (width - len(seq.blocks)) for seq, _ in work])
-        meta = AttentionMetadata.build(starts, seq_lens, table, torch.tensor(slots), self.block_size,
-                                       self.model.decode_kernel, self.model.prefill_kernel)
+        slot_tensor = torch.tensor(slots, dtype=torch.long)
+        metas = [AttentionMetadata.build(starts, seq_lens, table + g * self.num_blocks,
+                                         slot_tensor + g * self.num_blocks * self.block_size, self.block_size,
+                                         self.model.decode_kernel, self.model.prefill_kernel,
+                                         window=group.window if group.kind == "sliding" else 0)
+                 for g, group in enumerate(self.groups)]
+        meta = metas[0] if len(metas) == 1 else metas
         with torch.inference_mode():
             return self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.kv,
                                       torch.tensor([s - 1 for s in starts[1:]]))

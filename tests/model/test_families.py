@@ -294,3 +294,77 @@ def test_moe_configs_we_do_not_run_are_refused_by_name(model_type: str, field: s
     (path / "config.json").write_text(json.dumps({**config, field: value}))
     with pytest.raises(UnsupportedModelError, match=field):
         load_model_info(str(path))
+
+
+def test_gemma3_long_request_holds_only_its_window_in_sliding_groups(tmp_path: Path) -> None:
+    """A 120-token prompt through 16-token chunks: the sliding group (window 8) never holds more than the
+    window before a step plus the step, the full group holds every block, and the tokens are still HF's."""
+    from tokenloop.config import build_engine_config
+    from tokenloop.core.engine_core import EngineCore
+    from tokenloop.core.messages import CoreRequest
+
+    path = write_tiny_family(tmp_path / "gemma3", "gemma3_text")
+    prompt = torch.randint(TINY_VOCAB_SIZE, (120,), generator=torch.Generator().manual_seed(12)).tolist()
+    expected = _hf_greedy(path, [prompt])[0]
+    chunk = 16
+    config = build_engine_config(str(path), dtype="float32", block_size=4, num_blocks=256,
+                                 max_num_batched_tokens=chunk)
+    core = EngineCore(config, checkpoint=load_checkpoint(str(path)))
+    kv = core.kv_cache
+    assert [g.kind for g in kv.groups] == ["full", "sliding"]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    core.add_requests([CoreRequest("long", prompt, params, 0)])
+    tokens: list[int] = []
+    most_sliding = 0
+    while core.has_unfinished_requests():
+        held = [sum(1 for block in kv.get_block_ids("long", g) if block >= 0) for g in range(2)]
+        if kv.holds_blocks("long"):
+            assert held[0] == kv.num_blocks_held("long")  # the full group keeps every block
+        most_sliding = max(most_sliding, held[1])
+        tokens += [t for out in core.step().outputs for t in out.new_token_ids]
+    assert tokens == expected
+    assert 2 <= most_sliding <= kv.num_blocks_for(8 - 1 + chunk) + 1  # vs 33 blocks for all 132 tokens
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("destination_holds_prefix", [False, True], ids=["copied", "prefix-hit-on-b"])
+def test_gemma3_handoff_past_the_window_gives_the_same_tokens(tmp_path: Path,
+                                                              destination_holds_prefix: bool) -> None:
+    """A Gemma request exported mid-decode (its sliding group holding only its window) continues on another
+    engine with HF's tokens: every group's blocks travel (the sliding group's window only), or B finds them
+    in its own prefix cache."""
+    from tokenloop.config import build_engine_config
+    from tokenloop.core.engine_core import EngineCore
+    from tokenloop.core.messages import CoreRequest
+
+    path = write_tiny_family(tmp_path / "gemma3", "gemma3_text")
+    prompt = torch.randint(TINY_VOCAB_SIZE, (45,), generator=torch.Generator().manual_seed(13)).tolist()
+    expected = _hf_greedy(path, [prompt])[0]
+    checkpoint = load_checkpoint(str(path))
+    config = build_engine_config(str(path), dtype="float32", block_size=4, num_blocks=64,
+                                 max_num_batched_tokens=16)
+    a, b = EngineCore(config, checkpoint=checkpoint), EngineCore(config, checkpoint=checkpoint)
+    assert a.runner.kv_layout.endswith(":full,sliding8")
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    if destination_holds_prefix:  # B computed the same prompt before: its blocks of both groups are cached
+        b.add_requests([CoreRequest("earlier", prompt, SamplingParams(temperature=0.0, max_tokens=1), 0)])
+        while b.has_unfinished_requests():
+            b.step()
+    a.add_requests([CoreRequest("moved", prompt, params, 0)])
+    tokens: list[int] = []
+    while len(tokens) < 4:
+        tokens += [t for out in a.step().outputs for t in out.new_token_ids]
+    snapshot = a.export_request("moved", [])
+    window_first = a.kv_cache.first_live_block(snapshot.num_computed_tokens, 8)
+    assert window_first > 0 and {blk.group for blk in snapshot.blocks} == {0, 1}
+    assert len([blk for blk in snapshot.blocks if blk.group == 1]) < len(snapshot.block_hashes)
+    result = b.import_request(snapshot)
+    assert result.accepted, result.reason
+    assert a.complete_export(snapshot.lease_id)
+    assert b.kv_cache.get_block_ids("moved", 1)[:window_first] == [-1] * window_first
+    while b.has_unfinished_requests():
+        tokens += [t for out in b.step().outputs for t in out.new_token_ids]
+    assert tokens == expected
+    for core in (a, b):
+        core.kv_cache.check_invariants([])
+        assert core.kv_cache.num_free_blocks == core.kv_cache.num_blocks

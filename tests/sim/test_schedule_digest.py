@@ -123,8 +123,8 @@ def run(policy: str, setting: str, trace: Trace) -> tuple[list[Any], Keep, Simul
             if not engine.core.has_unfinished_requests():
                 continue
         outs, finished = engine.step_outputs()
-        produced.append((as_recorded(outs.outputs), outs.num_scheduled, outs.timestamp_ns, outs.kv_events,
-                         finished_as_recorded(finished)))
+        produced.append((as_recorded(outs.outputs), outs.num_scheduled, outs.timestamp_ns,
+                         _EventsAsRecorded(outs.kv_events), finished_as_recorded(finished)))
         if outs.num_scheduled == 0:
             assert next_arrival < len(trace.arrival_ns), "the engine holds requests but schedules none"
             clock.advance_to(trace.arrival_ns[next_arrival])
@@ -156,6 +156,19 @@ class _AsRecorded:
         for name, value in LATER_OUTPUT_FIELDS.items():
             assert values.pop(name) == value, f"{name} is no longer {value} in the digest's trace"
         return f"{type(output).__qualname__}({', '.join(f'{k}={v!r}' for k, v in values.items())})"
+
+
+class _EventsAsRecorded:
+    """A step's KV events with the repr they had when the digests were recorded: before events named their
+    KV group (docs/kv-groups.md), which is 0 for every event of this one-group model."""
+
+    def __init__(self, events: Any) -> None:
+        self.events = events
+
+    def __repr__(self) -> str:
+        text = repr(self.events).replace(", group=0)", ")")
+        assert "group=" not in text, "an event of a one-group model names a group other than 0"
+        return text
 
 
 def as_recorded(outputs: list[Any]) -> list[_AsRecorded]:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from tokenloop.config import EngineConfig
+from tokenloop.config import EngineConfig, KVGroup
 from tokenloop.core.adapters import AdapterStage, adapter_dtype
 from tokenloop.core.handoff import HandoffStage, ImportResult, KVBlockData, KVSnapshot
 from tokenloop.core.heartbeat import Progress
@@ -98,14 +98,16 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         num_blocks = config.cache.num_blocks or max(
             1, config.cache.kv_cache_memory_bytes // kv_bytes_per_block)
-        if num_blocks * block_size < self.max_model_len:
-            # A request may grow to max_model_len; a pool smaller than that could never hold it alone.
-            logger.info("max_model_len %d exceeds the KV cache (%d tokens); lowering it to fit",
-                        self.max_model_len, num_blocks * block_size)
-            self.max_model_len = num_blocks * block_size
         self.kv_events = KVEventLog() if config.cache.enable_kv_events else None
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                                       events=self.kv_events)
+                                       events=self.kv_events,
+                                       groups=self.model.kv_groups() if self.model is not None else (KVGroup(),))
+        pool_tokens = self.kv_cache.max_tokens_alone(config.scheduler.max_num_batched_tokens)
+        if pool_tokens < self.max_model_len:
+            # A request may grow to max_model_len; a pool smaller than that could never hold it alone.
+            logger.info("max_model_len %d exceeds the KV cache (%d tokens); lowering it to fit",
+                        self.max_model_len, pool_tokens)
+            self.max_model_len = pool_tokens
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         self.adapters = None if config.lora is None or self.model is None else AdapterStage(
             config.lora, self.model, adapter_dtype(self.dtype_choice))

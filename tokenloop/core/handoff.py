@@ -38,6 +38,7 @@ class KVBlockData:
     data: bytes  # K then V of each layer for the first num_tokens slots, in the engine's KV dtype, C order
     parent_hash: int | None = None  # the block before it in its chain: the destination's KV events name it
     token_ids: list[int] = field(default_factory=list)  # its tokens, for the same events
+    group: int = 0  # the KV group whose layers `data` holds (docs/kv-groups.md)
 
 
 @dataclass(slots=True)
@@ -72,10 +73,12 @@ class KVSnapshot:
     request: RequestState
     model: str
     block_size: int
-    kv_layout: str  # the destination refuses a mismatch of any of these three, naming both
+    kv_layout: str  # the destination refuses a mismatch of any of these three, naming both (groups included)
     num_computed_tokens: int
-    block_hashes: list[int]  # every full block of the computed tokens, in order
-    blocks: list[KVBlockData]  # the full blocks not skipped by hash, then the partial tail (if any)
+    block_hashes: list[int]  # every full block of the computed tokens, in order (one chain for every group)
+    # Per KV group, in group order: its full blocks not skipped by hash (a sliding group's only from its
+    # window on), then its partial tail (if any).
+    blocks: list[KVBlockData]
     lease_expires_ns: int  # source clock: after it the source resumes the request
 
 
@@ -181,23 +184,31 @@ class HandoffStage:
     def _block_data(self, request: Request, num_tokens: int, skip: set[int],
                     with_tail: bool, max_blocks: int | None = None) -> list[KVBlockData]:
         size = self.kv.block_size
-        table = self.kv.get_blocks(request.request_id)
         hashes = self.kv.block_hashes(request)
         tokens = request.all_token_ids
         num_full = num_tokens // size
-        if len(table) < self.kv.num_blocks_for(num_tokens):
-            raise RuntimeError(f"{request.request_id}: {len(table)} blocks cannot hold {num_tokens} tokens")
+        tail = num_tokens - num_full * size
         read = self.runner.read_block
         wanted = [i for i in range(num_full) if hashes[i] not in skip][:max_blocks]
-        blocks = [KVBlockData(hashes[i], size, read(table[i].block_id, size), hashes[i - 1] if i else None,
-                              tokens[i * size:(i + 1) * size])
-                  for i in wanted]
-        tail = num_tokens - num_full * size
-        if with_tail and tail:
-            blocks.append(KVBlockData(None, tail, read(table[num_full].block_id, tail),
-                                      hashes[num_full - 1] if num_full else None,
-                                      tokens[num_full * size:num_tokens]))
+        blocks: list[KVBlockData] = []
+        for group in range(self.kv.num_groups):
+            table = self.kv.get_blocks(request.request_id, group)
+            if len(table) < self.kv.num_blocks_for(num_tokens):
+                raise RuntimeError(f"{request.request_id}: {len(table)} blocks cannot hold {num_tokens} tokens")
+            first = self._first_needed(group, num_tokens)  # a sliding group's blocks before it are released
+            blocks += [KVBlockData(hashes[i], size, read(table[i].block_id, size), hashes[i - 1] if i else None,
+                                   tokens[i * size:(i + 1) * size], group)
+                       for i in wanted if i >= first]
+            if with_tail and tail:
+                blocks.append(KVBlockData(None, tail, read(table[num_full].block_id, tail),
+                                          hashes[num_full - 1] if num_full else None,
+                                          tokens[num_full * size:num_tokens], group))
         return blocks
+
+    def _first_needed(self, group: int, num_computed_tokens: int) -> int:
+        """The first block position `group` holds once `num_computed_tokens` are computed."""
+        spec = self.kv.groups[group]
+        return self.kv.first_live_block(num_computed_tokens, spec.window) if spec.kind == "sliding" else 0
 
     # ---- the destination side ------------------------------------------------------------------------
 
@@ -212,7 +223,8 @@ class HandoffStage:
             except (InvalidRequestError, ValueError) as exc:
                 reason = f"the request cannot continue here: {exc}"
         if request is not None and reason is None:
-            needed = self.kv.num_blocks_for(self.scheduler.max_kv_tokens(request))
+            needed = self.kv.blocks_to_hold(self.scheduler.max_kv_tokens(request),
+                                            self.scheduler.config.max_num_batched_tokens)
             max_tokens = request.sampling_params.max_tokens
             final_len = (request.num_prompt_tokens + max_tokens if max_tokens is not None
                          else request.num_tokens)
@@ -224,21 +236,29 @@ class HandoffStage:
                           f"engine's whole pool holds {self.kv.num_blocks}")
         if reason is not None or request is None:
             return ImportResult(state.request_id, False, reason), None
-        copies = {b.block_hash: b for b in snapshot.blocks if b.block_hash is not None}
-        tail = next((b for b in snapshot.blocks if b.block_hash is None), None)
-        plan: list[KVBlock | None] = []  # per full block: matched here, or None (copied from the snapshot)
-        for block_hash in snapshot.block_hashes:
-            block = self.kv.pool.lookup(block_hash) if self.kv.enable_caching else None
-            if block is None and block_hash not in copies:
-                break  # evicted meanwhile, or skipped in error: recompute from here on
-            plan.append(block)
+        copies = {(b.group, b.block_hash): b for b in snapshot.blocks if b.block_hash is not None}
+        tails = {b.group: b for b in snapshot.blocks if b.block_hash is None}
         computed = snapshot.num_computed_tokens
-        whole = len(plan) == len(snapshot.block_hashes) and (tail is not None
-                                                               or computed % self.kv.block_size == 0)
+        # Per group and full block: matched here, None (copied from the snapshot) or, before a sliding
+        # window, the released entry; every group's plan is cut to the prefix all of them can serve.
+        plans: list[list[KVBlock | None]] = []
+        for group in range(self.kv.num_groups):
+            first = self._first_needed(group, computed)
+            plan: list[KVBlock | None] = [self.kv.released_block] * min(first, len(snapshot.block_hashes))
+            for block_hash in snapshot.block_hashes[len(plan):]:
+                block = self.kv.pool.lookup(block_hash, group) if self.kv.enable_caching else None
+                if block is None and (group, block_hash) not in copies:
+                    break  # evicted meanwhile, or skipped in error: recompute from here on
+                plan.append(block)
+            plans.append(plan)
+        usable = min(len(plan) for plan in plans)
+        plans = [plan[:usable] for plan in plans]
+        whole = usable == len(snapshot.block_hashes) and (
+            len(tails) == self.kv.num_groups or computed % self.kv.block_size == 0)
         if computed and whole and self.scheduler.num_running < self.max_num_seqs:
-            result = self._adopt(snapshot, request, plan, copies, tail)
+            result = self._adopt(snapshot, request, plans, copies, tails)
         else:
-            result = self._queue(snapshot, request, plan, copies)
+            result = self._queue(snapshot, request, plans, copies)
         if result.accepted:
             self.scheduler.policy.on_imported(request, state.fair_charge)
             return result, request
@@ -246,13 +266,16 @@ class HandoffStage:
 
     def store(self, blocks: list[KVBlockData]) -> int:
         """Put full blocks from elsewhere into the prefix cache, unreferenced (a pre-copy); how many."""
-        full = [b for b in blocks if b.block_hash is not None and self._fits(b)]
-        entries = [(b.block_hash, b.parent_hash, b.token_ids) for b in full if b.block_hash is not None]
+        stored = 0
+        for group in range(self.kv.num_groups):
+            full = [b for b in blocks if b.block_hash is not None and b.group == group and self._fits(b)]
+            entries = [(b.block_hash, b.parent_hash, b.token_ids) for b in full if b.block_hash is not None]
 
-        def write(block_id: int, i: int) -> None:
-            self.runner.write_block(block_id, full[i].data, full[i].num_tokens)
+            def write(block_id: int, i: int, full: list[KVBlockData] = full) -> None:
+                self.runner.write_block(block_id, full[i].data, full[i].num_tokens)
 
-        return self.kv.store_cached(entries, write)
+            stored += self.kv.store_cached(entries, write, group)
+        return stored
 
     def _fits(self, block: KVBlockData) -> bool:
         return len(block.data) == block.num_tokens * self.runner.kv_bytes_per_token
@@ -317,25 +340,30 @@ class HandoffStage:
             request.structured = matcher
         return request
 
-    def _adopt(self, snapshot: KVSnapshot, request: Request, plan: list[KVBlock | None],
-               copies: dict[int, KVBlockData], tail: KVBlockData | None) -> ImportResult:
+    def _adopt(self, snapshot: KVSnapshot, request: Request, plans: list[list[KVBlock | None]],
+               copies: dict[tuple[int, int], KVBlockData], tails: dict[int, KVBlockData]) -> ImportResult:
         """RUNNING with every computed token's K/V: matched blocks touched, the rest written to fresh ones."""
         request.num_computed_tokens = snapshot.num_computed_tokens
-        written = [copies[h] for h, block in zip(snapshot.block_hashes, plan) if block is None]
-        if tail is not None:
-            plan, written = [*plan, None], [*written, tail]
-        fresh = self.kv.adopt(request, plan)
+        written = [[copies[group, h] for h, block in zip(snapshot.block_hashes, plan) if block is None]
+                   for group, plan in enumerate(plans)]
+        if tails:
+            plans = [[*plan, None] for plan in plans]
+            written = [[*group_written, tails[group]] for group, group_written in enumerate(written)]
+        num_written = sum(len(group_written) for group_written in written)
+        fresh = self.kv.adopt(request, plans)
         if fresh is None:
             return ImportResult(request.request_id, False,
-                                f"no room: {len(written)} free blocks needed, {self.kv.num_free_blocks} free")
-        for block, data in zip(fresh, written):
-            self.runner.write_block(block.block_id, data.data, data.num_tokens)
+                                f"no room: {num_written} free blocks needed, {self.kv.num_free_blocks} free")
+        for group_fresh, group_written in zip(fresh, written):
+            for block, data in zip(group_fresh, group_written):
+                self.runner.write_block(block.block_id, data.data, data.num_tokens)
         self.scheduler.adopt_running(request)
-        return ImportResult(request.request_id, True, None, len(plan) - len(written), len(written), 0,
-                            sum(len(d.data) for d in written))
+        num_matched = sum(1 for plan in plans for block in plan if block is not None and block.block_id >= 0)
+        return ImportResult(request.request_id, True, None, num_matched, num_written, 0,
+                            sum(len(d.data) for group_written in written for d in group_written))
 
-    def _queue(self, snapshot: KVSnapshot, request: Request, plan: list[KVBlock | None],
-               copies: dict[int, KVBlockData]) -> ImportResult:
+    def _queue(self, snapshot: KVSnapshot, request: Request, plans: list[list[KVBlock | None]],
+               copies: dict[tuple[int, int], KVBlockData]) -> ImportResult:
         """WAITING: what arrived goes to the prefix cache; admission finds it by hash, recomputes the rest."""
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -343,10 +371,12 @@ class HandoffStage:
             self.scheduler.add_request(request)
         except (InvalidRequestError, CapacityError) as exc:
             return ImportResult(request.request_id, False, f"refused by the scheduler: {exc}")
-        usable = [copies[h] for h, block in zip(snapshot.block_hashes, plan) if block is None]
+        usable = [copies[group, h] for group, plan in enumerate(plans)
+                  for h, block in zip(snapshot.block_hashes, plan) if block is None]
         stored = self.store(usable)
-        usable_tokens = len(plan) * self.kv.block_size
-        return ImportResult(request.request_id, True, None, len(plan) - len(usable), stored,
+        usable_tokens = len(plans[0]) * self.kv.block_size
+        num_matched = sum(1 for plan in plans for block in plan if block is not None and block.block_id >= 0)
+        return ImportResult(request.request_id, True, None, num_matched, stored,
                             max(0, snapshot.num_computed_tokens - usable_tokens),
                             sum(len(d.data) for d in usable))
 

@@ -30,20 +30,23 @@ class BlockStored:
     """Consecutive full blocks of one sequence entered the index.
 
     `token_ids` are the blocks' tokens concatenated (`block_size` per block); `parent_block_hash` is the
-    hash of the block before the first one, None when the first block starts its sequence.
+    hash of the block before the first one, None when the first block starts its sequence. `group` is the
+    KV group whose layers the blocks hold (docs/kv-groups.md): 0, the full group, for a one-group model.
     """
 
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
+    group: int = 0
 
 
 @dataclass(slots=True)
 class BlockRemoved:
-    """Cached hashes left the index: their blocks were taken for new tokens."""
+    """Cached hashes of one KV group left the index: their blocks were taken for new tokens."""
 
     block_hashes: list[int]
+    group: int = 0
 
 
 @dataclass(slots=True)
@@ -150,17 +153,21 @@ class KVEventLog:
             size = stored.block_size
             tokens = stored.token_ids[pos * size:(pos + 1) * size]
             parent = stored.block_hashes[pos - 1] if pos else stored.parent_block_hash
-            if last is not None and last.block_hashes[-1] == parent and last.block_size == size:
+            if (last is not None and last.block_hashes[-1] == parent and last.block_size == size
+                    and last.group == block.group):
                 last.block_hashes.append(block_hash)
                 last.token_ids.extend(tokens)
                 continue
-            last = BlockStored([block_hash], parent, tokens, size)
+            last = BlockStored([block_hash], parent, tokens, size, block.group)
             events.append(last)
         return KVIndexSnapshot(self._next_seq - 1, ts_ns, events)
 
 
 class KVIndexMirror:
-    """The consumer side: one engine's set of cached block hashes, rebuilt from its batches.
+    """The consumer side: one engine's set of cached block hashes of group 0, rebuilt from its batches.
+
+    Group 0 is the full group: a prefix it holds is what a router can score (a sliding group's blocks
+    serve a hit only with the full group's, docs/kv-groups.md), so other groups' events are skipped.
 
     Batches must come in sequence order. An older or repeated batch is ignored; a newer one than expected
     means some were missed: the mirror refuses it and marks itself `stale` until the missing batch
@@ -214,6 +221,8 @@ class KVIndexMirror:
     def _apply_events(self, events: Sequence[KVEvent]) -> None:
         hashes = self._hashes
         for event in events:
+            if isinstance(event, (BlockStored, BlockRemoved)) and event.group != 0:
+                continue
             if isinstance(event, BlockStored):
                 hashes.update(event.block_hashes)
             elif isinstance(event, BlockRemoved):
@@ -228,14 +237,15 @@ class KVIndexMirror:
 # ---- wire form: plain nested lists, for msgpack or JSON -------------------------------------------
 
 def batch_to_wire(batch: KVEventBatch) -> list:
-    """`[seq, ts_ns, [[tag, *fields], ...]]`: positional, like msgspec's array_like tagged structs."""
+    """`[seq, ts_ns, [[tag, *fields], ...]]`: positional, like msgspec's array_like tagged structs. A
+    group other than 0 is one more field at the end (a one-group engine's wire form is as it always was)."""
     events: list[list] = []
     for event in batch.events:
         if isinstance(event, BlockStored):
             events.append(["stored", event.block_hashes, event.parent_block_hash, event.token_ids,
-                           event.block_size])
+                           event.block_size, *([event.group] if event.group else [])])
         elif isinstance(event, BlockRemoved):
-            events.append(["removed", event.block_hashes])
+            events.append(["removed", event.block_hashes, *([event.group] if event.group else [])])
         else:
             events.append(["cleared"])
     return [batch.seq, batch.ts_ns, events]
@@ -248,9 +258,9 @@ def batch_from_wire(data: Sequence) -> KVEventBatch:
     for raw in raw_events:
         tag = raw[0]
         if tag == "stored":
-            events.append(BlockStored(list(raw[1]), raw[2], list(raw[3]), raw[4]))
+            events.append(BlockStored(list(raw[1]), raw[2], list(raw[3]), raw[4], raw[5] if len(raw) > 5 else 0))
         elif tag == "removed":
-            events.append(BlockRemoved(list(raw[1])))
+            events.append(BlockRemoved(list(raw[1]), raw[2] if len(raw) > 2 else 0))
         elif tag == "cleared":
             events.append(AllBlocksCleared())
         else:

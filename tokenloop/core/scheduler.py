@@ -45,10 +45,12 @@ class ScheduledRequest:
 
     Its plain values are the step record's row (`chunk`, a `ScheduledChunk`), built once here and handed
     to the record as they are: one object per row per step instead of two (issue 13's speed goal). The
-    fields below read and write through it.
+    fields below read and write through it. `new_block_ids` are group 0's; with more KV groups
+    (docs/kv-groups.md), `group_block_ids` holds the same diff for every group (-1: a position a sliding
+    window has passed, on an admission after a prefix hit).
     """
 
-    __slots__ = ("chunk", "draft_token_ids", "request")
+    __slots__ = ("chunk", "draft_token_ids", "group_block_ids", "request")
 
     def __init__(self, request: Request, num_tokens: int, num_computed_tokens: int, samples: bool,
                  new_block_ids: list[int], num_blocks: int, admitted: bool = False, num_reused_blocks: int = 0,
@@ -64,6 +66,7 @@ class ScheduledRequest:
         # Speculative tokens after the request's last one, counted in num_tokens (their K/V slots are
         # allocated); only a decoding row (one real token, samples) gets them.
         self.draft_token_ids = draft_token_ids
+        self.group_block_ids: list[list[int]] | None = None  # set once the step is scheduled, if > 1 group
 
     @property
     def request_id(self) -> str:
@@ -259,10 +262,11 @@ class Scheduler:
                 f"(max_num_batched_tokens={self.config.max_num_batched_tokens}) with chunked prefill off",
                 param="prompt")
         kv = self.kv_cache
-        blocks_needed = kv.num_blocks_for(self.max_kv_tokens(request))
+        chunk = self.config.max_num_batched_tokens
+        blocks_needed = kv.blocks_to_hold(self.max_kv_tokens(request), chunk)
         if blocks_needed > kv.num_blocks:
             # Such a request would evict everyone and still not fit: it would preempt forever.
-            prompt_fits = kv.num_blocks_for(request.num_prompt_tokens) <= kv.num_blocks
+            prompt_fits = kv.blocks_to_hold(request.num_prompt_tokens, chunk) <= kv.num_blocks
             raise InvalidRequestError(
                 f"the request may need {self.max_kv_tokens(request)} tokens of KV cache "
                 f"({blocks_needed} blocks of {kv.block_size}) but the whole cache holds only "
@@ -513,6 +517,8 @@ class Scheduler:
             kv_ns += draft_kv_ns
         output.num_batched_tokens = self.config.max_num_batched_tokens - budget
         output.kv_ns = kv_ns
+        if kv.num_groups > 1:
+            self._group_diffs(output.scheduled)
         output.released_request_ids, self._released_ids = self._released_ids, []
         return output
 
@@ -520,6 +526,15 @@ class Scheduler:
         """Whether running one more request of `lora_name` keeps the running adapters within max_loras."""
         running = {r.lora_name for r in self._running.values() if r.lora_name is not None}
         return lora_name in running or len(running) < self.max_loras
+
+    def _group_diffs(self, scheduled: list[ScheduledRequest]) -> None:
+        """Every group's block-table diff of each row: the positions group 0's `new_block_ids` cover."""
+        kv = self.kv_cache
+        for item in scheduled:
+            request_id = item.request_id
+            start = kv.num_blocks_held(request_id) - len(item.new_block_ids)
+            item.group_block_ids = [kv.get_block_ids(request_id, group)[start:]
+                                    for group in range(kv.num_groups)]
 
     def _top_up(self, rows: list[ScheduledRequest], budget: int, output: SchedulerOutput) -> tuple[int, int]:
         """Extend long prefills' rows (in the order they were scheduled) by up to `budget` tokens in all,

@@ -94,8 +94,10 @@ class AttentionMetadata:
         window: int = 0,
     ) -> AttentionMetadata:
         """The layout from the step's flat tensors; `query_start_loc` [B+1] and `seq_lens` [B] may be int64
-        host tensors (the runner's, built over the batch at once) or lists. With a `window`, each query sees
-        only the `window` latest keys up to itself, through masks (the in-place kernels know no window)."""
+        host tensors (the runner's, built over the batch at once) or lists. With a `window` (a sliding KV
+        group's, docs/kv-groups.md), each query sees only the `window` latest keys up to itself, through
+        masks (the in-place kernels know no window), and reads only the blocks from the one holding the
+        first key it sees: blocks before it may be released (id -1 in the table) and are never read."""
         if window > 0:
             decode_kernel = prefill_kernel = None
         device = slot_mapping.device
@@ -122,8 +124,9 @@ class AttentionMetadata:
                     span = min(max_blocks, (window - 1) // block_size + 2)
                     block_pos = ((lens - window).clamp(min=0) // block_size)[:, None] + block_pos[:, :span]
                     picked = blocks.gather(1, block_pos.clamp(max=max_blocks - 1))
-                # Padding entries past a request's last block may hold garbage ids: point them at its first.
-                decode.block_index = torch.where(block_pos < valid_blocks[:, None], picked, blocks[:, :1])
+                # Padding entries past a request's last block may hold garbage ids: point them at the first
+                # block gathered (a window's first: blocks before it may be released, id -1, never read).
+                decode.block_index = torch.where(block_pos < valid_blocks[:, None], picked, picked[:, :1])
                 offsets = torch.arange(block_size, device=device)
                 key_pos = (block_pos[..., None] * block_size + offsets).flatten(-2)
                 visible = key_pos < lens[:, None]
@@ -161,11 +164,6 @@ class AttentionMetadata:
             prefills.append(PrefillSpan(start, start + q_len, slots, mask))
         return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, prefills, None,
                    window)
-
-    def windowed(self, window: int) -> AttentionMetadata:
-        """The same step's layout for layers that attend over a sliding window of `window` keys."""
-        return AttentionMetadata.build(self.query_start_loc, self.seq_lens, self.block_table,
-                                       self.slot_mapping, self.block_size, window=window)
 
 
 def triton_attention_kernels() -> ModuleType | None:

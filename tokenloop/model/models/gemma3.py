@@ -4,7 +4,9 @@ The embedding is scaled by sqrt(hidden); every norm is Gemma's (1 + w) RMSNorm; 
 (before and after attention, before and after the MLP); the MLP is GeGLU (tanh-GELU gate); Q and K heads are
 RMS-normalized before rotary; attention scales by `query_pre_attn_scalar` ** -0.5; sliding-window layers, with
 their own rotary base, interleave with global ones (`ModelConfig.layer_types`); the LM head is the embedding.
-Every layer keeps all of a request's blocks for now: a sliding layer masks what its window has passed.
+Layers are grouped by attention kind into equal KV groups (`ModelConfig.kv_groups`, docs/kv-groups.md): the
+i-th layer of every group shares the i-th K/V tensor pair, each through its own group's block table, and a
+sliding group's table holds only the blocks its window covers.
 """
 
 from __future__ import annotations
@@ -17,12 +19,17 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from tokenloop.config import ModelConfig, RopeScaling
+from tokenloop.config import KVGroup, ModelConfig, RopeScaling
 from tokenloop.model.attention import AttentionMetadata, paged_attention
+from tokenloop.model.layers import kv
 from tokenloop.model.layers.linear import linear
 from tokenloop.model.layers.mlp import gated_mlp, gelu_tanh
 from tokenloop.model.layers.norm import head_rms_norm_, offset_norm_weight, rms_norm
-from tokenloop.model.layers.rotary import RotaryTables, apply_rope, rope_inverse_frequencies
+from tokenloop.model.layers.rotary import (
+    RotaryTables,
+    apply_rope,
+    rope_inverse_frequencies,
+)
 from tokenloop.model.models.llama import LayerWeights, LlamaModel
 from tokenloop.model.weights import WeightSource
 
@@ -56,6 +63,23 @@ class Gemma3Model(LlamaModel):
         local_freq = rope_inverse_frequencies(config.rotary_dim, config.rope_local_theta or config.rope_theta,
                                               RopeScaling())
         self.local_rotary = RotaryTables(local_freq, self.rotary.cos.shape[0], self.device, self.dtype)
+        self._kv_groups = config.kv_groups()
+        # Each layer's (group, K/V pair): the i-th layer of a group uses the group's table and the i-th pair.
+        self._kv_places = {layer: (g, i) for g, group in enumerate(self._kv_groups)
+                           for i, layer in enumerate(group.layers)}
+
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        return self._kv_groups
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One K/V pair per layer of a group, [num_blocks, block_size, num_kv_heads, head_dim] each."""
+        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        return kv.allocate_kv_cache(len(self._kv_groups[0].layers), shape, self.kv_dtype, self.device)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        cfg = self.config
+        layers = len(self._kv_groups[0].layers)  # a block holds one group's layers
+        return kv.kv_bytes_per_block(layers, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
 
     @classmethod
     def tensor_names(cls, config: ModelConfig) -> list[str]:
@@ -86,18 +110,23 @@ class Gemma3Model(LlamaModel):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed.index_select(0, input_ids) * self.embed_scale
 
-    def decoder_layers(self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+    def decoder_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
+                       attn: AttentionMetadata | list[AttentionMetadata],
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """`attn`: one layout per KV group (a single one stands for every group of a one-group split)."""
         cfg = self.config
         num_tokens = hidden.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         eps = cfg.rms_norm_eps
         rotary = {False: self.rotary.at(positions), True: self.local_rotary.at(positions)}
-        # One layout per attention kind, built once a step: sliding layers mask keys their window has passed.
-        layout = {False: attn, True: attn.windowed(cfg.sliding_window) if cfg.sliding_window else attn}
+        # A single layout only for a one-group split: groups share the K/V pairs, so each needs its own table.
+        assert isinstance(attn, list) or len(self._kv_groups) == 1, "one AttentionMetadata per KV group"
+        layouts = attn if isinstance(attn, list) else [attn]
         tick = self.progress.tick
-        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers, kv_caches)):
+        for index, layer in enumerate(self.layers):
+            group, pair = self._kv_places[index]
+            key_cache, value_cache = kv_caches[pair]
             assert isinstance(layer, Gemma3LayerWeights) and layer.q_norm is not None \
                 and layer.k_norm is not None and layer.pre_feedforward_norm is not None \
                 and layer.post_feedforward_norm is not None
@@ -108,7 +137,7 @@ class Gemma3Model(LlamaModel):
             qk = qkv[:, :q_size + kv_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             q, k = apply_rope(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, q_size + kv_size:].reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            attended = paged_attention(q, k, v, key_cache, value_cache, layout[sliding], self.scale)
+            attended = paged_attention(q, k, v, key_cache, value_cache, layouts[group], self.scale)
             hidden = hidden + rms_norm(linear(attended.view(num_tokens, q_size), layer.o_proj),
                                        layer.post_attention_norm, eps)
             mlp = gated_mlp(rms_norm(hidden, layer.pre_feedforward_norm, eps), layer.gate_up, layer.down,

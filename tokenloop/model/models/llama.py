@@ -18,7 +18,7 @@ from typing import ClassVar, Protocol
 import numpy as np
 import torch
 
-from tokenloop.config import ModelConfig
+from tokenloop.config import KVGroup, ModelConfig
 from tokenloop.model import fused_cpu
 from tokenloop.model.attention import AttentionMetadata, paged_attention, triton_attention_kernels
 from tokenloop.model.cpu_kernels import paged_decode_kernels
@@ -227,6 +227,11 @@ class LlamaModel:
             return gate_up.form_for(rows)
         return str(gate_up.dtype).removeprefix("torch.") if gate_up is not None else str(self.dtype)
 
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The layers by KV group (docs/kv-groups.md): one full group here; a family with sliding layers
+        that releases what their window has passed states its own (Gemma 3)."""
+        return (KVGroup("full", 0, tuple(range(len(self.layers)))),)
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim], zeroed."""
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
@@ -240,17 +245,19 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor | None = None,
         lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> logits [N, vocab] for the N tokens in `logits_indices` (all if None);
-        `lora`: the step's adapter products, added on top of the projections (model/lora_slots.py)."""
+        """input_ids, positions [T] -> logits [N, vocab] for the N tokens in `logits_indices` (all if None).
+        `attn` is the step's layout, or one per KV group for a model with several (`kv_groups`); `lora`: the
+        step's adapter products, added on top of the projections (model/lora_slots.py)."""
         cfg = self.config
         num_tokens = input_ids.shape[0]
         self.last_weight_form = self.weight_form(num_tokens)
         if self.fused_ops is not None:
+            assert isinstance(attn, AttentionMetadata), "the fused path knows one KV group"
             return fused_cpu.forward_fused(self, input_ids, positions, attn, kv_caches, logits_indices, lora)
         hidden = self.embed_tokens(input_ids)
         hidden = self.decoder_layers(hidden, positions, attn, kv_caches, *(() if lora is None else (lora,)))
@@ -262,10 +269,12 @@ class LlamaModel:
         """The residual stream's start: each token's embedding row [T, hidden]."""
         return self.embed.index_select(0, input_ids)
 
-    def decoder_layers(self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+    def decoder_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
+                       attn: AttentionMetadata | list[AttentionMetadata],
                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                        lora: LoRABatch | None = None) -> torch.Tensor:
         """The residual stream [T, hidden] through every layer (the op path), before the final norm."""
+        assert isinstance(attn, AttentionMetadata), "a one-group model gets one layout"
         cfg = self.config
         num_tokens = hidden.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
