@@ -9,8 +9,9 @@ from __future__ import annotations
 import enum
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from tokenloop.errors import InvalidRequestError
 from tokenloop.structured.spec import StructuredOutputsParams

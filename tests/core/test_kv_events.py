@@ -5,16 +5,25 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import event, settings
+from hypothesis import event as note_event
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from tests.core.test_kv_cache import admit, make_request
 from tokenloop.core.kv_cache import KVBlock, KVCacheManager, hash_block
 from tokenloop.core.kv_events import (
-    AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, KVEventLog, KVIndexMirror,
-    KVIndexSnapshot, batch_from_wire, batch_to_wire,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    KVEventLog,
+    KVIndexMirror,
+    KVIndexSnapshot,
+    batch_from_wire,
+    batch_to_wire,
 )
-from tests.core.test_kv_cache import admit, make_request
 from tokenloop.request import Request
 
 BS = 4
@@ -392,7 +401,7 @@ class KVEventsMachine(RuleBasedStateMachine):
         oldest_kept = max(0, self.log.next_seq - self.log.max_batches)
         assert (batches is None) == (self.lagger.next_seq < oldest_kept)
         if batches is None:
-            event("lagger resynced from a snapshot")
+            note_event("lagger resynced from a snapshot")
             snap = self.log.snapshot(self.kv.pool, self.ts)
             assert snap.seq == self.log.next_seq - 1
             self.lagger.resync(snap)
@@ -420,9 +429,9 @@ class KVEventsMachine(RuleBasedStateMachine):
         self._check_snapshot(truth)
         if batch is not None:
             for kind in {type(e).__name__ for e in batch.events}:
-                event(f"recorded {kind}")
+                note_event(f"recorded {kind}")
         if early is not None:
-            event("lossy resynced with events pending")
+            note_event("lossy resynced with events pending")
             self.lossy.resync(early)
             assert batch is not None and self.lossy.apply(batch)
             self.lossy_missed = False
@@ -460,7 +469,7 @@ class KVEventsMachine(RuleBasedStateMachine):
 
     def _recover_lossy(self, truth: set[int]) -> None:
         batches = self.log.since(self.lossy.next_seq)
-        event("lossy recovered by " + ("replay" if batches is not None else "snapshot"))
+        note_event("lossy recovered by " + ("replay" if batches is not None else "snapshot"))
         if batches is None:
             snap = self.log.snapshot(self.kv.pool, self.ts)
             self.lossy.resync(snap)

@@ -156,7 +156,7 @@ class Harness:
 
     def drain(self, max_steps: int = 5000) -> int:
         """Step until every request has finished; returns the number of steps."""
-        for steps in range(max_steps):
+        for steps in range(max_steps):  # noqa: B007 - read after the loop
             if not self.sched.has_unfinished_requests():
                 break
             self.step()
@@ -598,7 +598,8 @@ TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=5
 _FAIR_SELF_PREEMPTION = dict(
     policy="fair", num_blocks=12, block_size=2, budget=22, max_seqs=5, chunked=True, threshold=3, caching=False,
     workload=[Arrival(0, [1, 2, 3, 4, 0, 0, 0, 0], 4, 0, None, None),
-              Arrival(4, [5, 5, 5] + [0] * 12, 8, 0, None, None), Arrival(0, [0, 0, 0], 5, 0, None, None), Arrival(0, [0], 4, 0, None, None),
+              Arrival(4, [5, 5, 5] + [0] * 12, 8, 0, None, None), Arrival(0, [0, 0, 0], 5, 0, None, None),
+              Arrival(0, [0], 4, 0, None, None),
               Arrival(4, [0] * 12, None, 0, "ann", None), Arrival(2, [0], 1, 0, None, None),
               Arrival(13, [0] * 7, 3, 0, "ann", "s"), Arrival(10, [1, 2, 3, 4, 5, 6, 7, 8, 3, 3], None, 0, "cy", None),
               Arrival(8, [5, 5, 5, 3], 3, 0, "bob", None)],
@@ -609,7 +610,8 @@ _FAIR_SELF_PREEMPTION = dict(
 @example(**_FAIR_SELF_PREEMPTION)
 @given(policy=st.sampled_from(SCHEDULING_POLICIES), num_blocks=st.integers(4, 14),
        block_size=st.sampled_from([2, 4]), budget=st.integers(2, 24), max_seqs=st.integers(1, 5),
-       chunked=st.booleans(), threshold=st.sampled_from([0, None, None, 3]), caching=st.sampled_from([True, True, False]),
+       chunked=st.booleans(), threshold=st.sampled_from([0, None, None, 3]),
+       caching=st.sampled_from([True, True, False]),
        workload=st.lists(arrivals, min_size=4, max_size=20),
        aborts=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 19)), max_size=4), seed=st.integers(0, 999),
        max_long=st.sampled_from([1, 1, 2, 0]))

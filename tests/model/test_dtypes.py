@@ -96,7 +96,7 @@ def test_engine_config_accepts_auto_and_quantized() -> None:
 
 @pytest.mark.parametrize("features,weights", [(PLAIN_CPU, torch.float32), (BF16_CPU, torch.bfloat16)])
 def test_engine_resolves_auto_for_its_cpu(tiny, monkeypatch: pytest.MonkeyPatch, features: CpuFeatures,
-                                          weights: torch.dtype) -> None:  # noqa: ANN001 - tiny: a Checkpoint
+                                          weights: torch.dtype) -> None:  # tiny: a Checkpoint
     monkeypatch.setattr(CpuFeatures, "detect", classmethod(lambda cls: features))
     engine = LLMEngine(build_engine_config(str(tiny.path)), checkpoint=tiny)
     assert engine.dtype_choice.activations == "float32" and engine.model.dtype == torch.float32

@@ -125,7 +125,7 @@ def test_default_engine_serves_the_packed_weights(monkeypatch: pytest.MonkeyPatc
     forms = []
     original = llm.engine.runner.execute
 
-    def recording(output):  # noqa: ANN001, ANN202 - SchedulerOutput -> RunnerOutput
+    def recording(output):  # SchedulerOutput -> RunnerOutput
         result = original(output)
         forms.append(result.weight_form)
         return result

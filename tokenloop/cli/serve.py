@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any
 
-from tokenloop.cli.options import LOG_LEVELS, add_engine_args, _engine_options, load_engine, parse_size
+from tokenloop.cli.options import LOG_LEVELS, _engine_options, add_engine_args, load_engine, parse_size
 from tokenloop.core.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
 logger = logging.getLogger("tokenloop")
@@ -72,7 +72,7 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
                             "which decode (prefill/decode disaggregation)")
 
 
-def _cluster_options(args: argparse.Namespace):  # noqa: ANN202 - ClusterOptions, imported lazily
+def _cluster_options(args: argparse.Namespace):  # -> ClusterOptions (imported lazily)
     """The replica set to start, or None for one engine core (a bad cluster flag is an error either way)."""
     from tokenloop.config import ROUTER_NAMES  # not the router itself: nothing starts before the core
     from tokenloop.core.heartbeat import check_hang_timeout
@@ -93,7 +93,7 @@ def _cluster_options(args: argparse.Namespace):  # noqa: ANN202 - ClusterOptions
                           hang_timeout_s=args.hang_timeout)
 
 
-def _start_core_process(args: argparse.Namespace, name: str, limits: Any,  # noqa: ANN202 - AsyncEngine
+def _start_core_process(args: argparse.Namespace, name: str, limits: Any,  # -> AsyncEngine
                         cluster: Any = None, config: Any = None, started: Any = None):
     """The engine core in its own process (or N of them behind a router); this one keeps only the
     tokenizer (and the records' observers). `started`: the core's process, already started for `config`."""
@@ -199,7 +199,7 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
                            help=f"{text} (default {getattr(defaults, field_name)})")
 
 
-def _server_limits(args: argparse.Namespace):  # noqa: ANN202 - ServerLimits, imported lazily
+def _server_limits(args: argparse.Namespace):  # -> ServerLimits (imported lazily)
     from tokenloop.config import ServerLimits
 
     return ServerLimits(**{field_name: getattr(args, field_name) for field_name, _, _ in _LIMIT_FLAGS.values()})

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from tokenloop.config import KVGroup
 from tokenloop.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
@@ -245,8 +246,8 @@ class BlockPool:
                     run_start = i
             elif run_start >= 0:
                 parent = block_hashes[run_start - 1] if run_start else None
-                event = BlockStored(block_hashes[run_start:i], parent,
-                                    token_ids[run_start * block_size:i * block_size], block_size,
+                event = BlockStored(list(block_hashes[run_start:i]), parent,
+                                    list(token_ids[run_start * block_size:i * block_size]), block_size,
                                     blocks[run_start].group)
                 events.record(event)
                 # The blocks point into their event instead of copying their tokens: no list per block,

@@ -17,9 +17,10 @@ answers "how many leading blocks of this prompt does that engine hold?".
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import TYPE_CHECKING, Sequence, Union
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: the pool imports this module, not the other way round
     from tokenloop.core.kv_cache import BlockPool
@@ -54,7 +55,7 @@ class AllBlocksCleared:
     """The prefix cache was reset: no hash is cached any more."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(slots=True)

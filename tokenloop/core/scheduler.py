@@ -24,10 +24,11 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from tokenloop.config import SchedulerConfig
-from tokenloop.core.kv_cache import BlockRelease, KVCacheManager
-from tokenloop.core.policy import Policy, WaitingQueue, make_policy
+from tokenloop.core.kv_cache import BlockRelease, KVBlock, KVCacheManager
+from tokenloop.core.policy import Policy, RanksWaiting, WaitingQueue, make_policy
 from tokenloop.core.speculative import DraftProposer
 from tokenloop.errors import CapacityError, InvalidRequestError
 from tokenloop.observe.records import ScheduledChunk
@@ -183,7 +184,8 @@ class Scheduler:
         # The waiting requests kept in policy order (a policy with `waiting_key`), so a long queue is not
         # sorted every step; requests are ranked when the waiting pass next runs, so what fails to rank
         # fails there, as a whole-queue sort would.
-        self._waiting_order = WaitingQueue(self.policy) if hasattr(self.policy, "waiting_key") else None
+        self._waiting_order = (WaitingQueue(cast(RanksWaiting, self.policy)) if hasattr(self.policy, "waiting_key")
+                               else None)
         self._unranked: list[Request] = []
         # Exporting (handoff): out of both queues, blocks kept; with the status to go back to on a resume.
         self._paused: dict[str, tuple[Request, RequestStatus]] = {}
@@ -354,7 +356,7 @@ class Scheduler:
     @staticmethod
     def _chunk(num_left: int, budget: int, threshold: int) -> int:
         # min() without the builtin calls: this runs for every row of every step.
-        n = num_left if num_left < budget else budget  # noqa: FURB136 - the builtin call costs more
+        n = num_left if num_left < budget else budget  # not min(): the builtin call costs more
         return threshold if 0 < threshold < n else n
 
     def _preempt(self, request: Request) -> None:
@@ -425,7 +427,7 @@ class Scheduler:
                     continue  # nothing known left to compute (the caller has not appended a token yet)
                 # A decode token that fits the blocks held costs a check, not a timed allocation (two clock
                 # reads cost more than the check: this runs for nearly every row of every step).
-                new_blocks = [] if kv.fits_held(request, n) else None
+                new_blocks: list[KVBlock] | None = [] if kv.fits_held(request, n) else None
                 while new_blocks is None:
                     begin = timer()
                     new_blocks = kv.allocate(request, n)
@@ -589,7 +591,7 @@ class Scheduler:
                 begin = timer()
                 new_blocks = kv.allocate(request, 1 + len(drafts))  # the real token's blocks are held already
                 kv_ns += timer() - begin
-            except Exception:  # noqa: BLE001 - drafts are optional: this row decodes one token
+            except Exception:
                 logger.exception("proposing drafts for request %s failed", request.request_id)
                 continue
             if new_blocks is None:
@@ -625,7 +627,7 @@ class Scheduler:
                     seen.add(request.request_id)
                     yield request
                 return
-            except Exception:  # noqa: BLE001 - find which request's ranking fails
+            except Exception:
                 culprits = [r for r in pending if r.request_id not in seen and not self._ranks(r, now)]
                 if not culprits:
                     raise  # the policy fails on its own: not one request's fault
@@ -656,7 +658,7 @@ class Scheduler:
     def _victim(self, candidates: list[Request], now: int) -> Request:
         try:
             return self.policy.victim(candidates, now)
-        except Exception:  # noqa: BLE001 - some victim must go; the latest arrival is every policy's fallback
+        except Exception:
             logger.exception("the %s policy failed to pick a victim; preempting the latest arrival", self.policy.name)
             return max(candidates, key=lambda r: r.times.arrival)
 
@@ -667,7 +669,7 @@ class Scheduler:
         output.scheduled = [item for item in output.scheduled if item.request is not request]
         try:
             self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
-        except Exception:  # noqa: BLE001 - the policy's bookkeeping failed too: drop the request anyway
+        except Exception:
             logger.exception("finishing failed request %s raised", request.request_id)
             self._running.pop(request.request_id, None)
             self._unwait(request.request_id)

@@ -15,7 +15,6 @@ shared `base.ServingBase`.
 from __future__ import annotations
 
 import json
-
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -31,16 +30,22 @@ from tokenloop import __version__
 from tokenloop.config import ServerLimits
 from tokenloop.errors import TokenloopError
 from tokenloop.observe.metrics import CONTENT_TYPE, EngineMetrics
+from tokenloop.serving.admin_routes import make_admin_router
 from tokenloop.serving.async_engine import AsyncEngine
 from tokenloop.serving.chat import ChatServing
 from tokenloop.serving.completions import CompletionsServing
 from tokenloop.serving.errors import APIError, api_error, internal_error, new_incident_id, validation_error
 from tokenloop.serving.limits import EdgeGuard
 from tokenloop.serving.lora_routes import make_lora_router
-from tokenloop.serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                        TokenizeChatRequest, TokenizeCompletionRequest, VersionResponse)
-from tokenloop.serving.admin_routes import make_admin_router
 from tokenloop.serving.openapi import declare_request_bodies
+from tokenloop.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    VersionResponse,
+)
 from tokenloop.serving.trace_routes import make_trace_router
 from tokenloop.serving.validation import parse_json_object, validate_body
 
