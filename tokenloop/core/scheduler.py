@@ -155,6 +155,39 @@ class SchedulerStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
+class _StepPlan:
+    """One `schedule()` call's working state: the output being built, the token budget left, the long
+    prefills' rows (held to the threshold until everyone had a turn, then topped up) and their count."""
+
+    __slots__ = ("budget", "kv", "kv_ns", "long_rows", "now", "num_long", "output", "policy", "scheduled_ids",
+                 "threshold")
+
+    def __init__(self, now: int, config: SchedulerConfig, policy: Policy, kv: KVCacheManager) -> None:
+        self.now = now
+        self.policy = policy
+        self.kv = kv
+        self.budget = config.max_num_batched_tokens
+        self.threshold = config.long_prefill_threshold
+        self.output = SchedulerOutput()
+        self.scheduled_ids: set[str] = set()
+        self.long_rows: list[ScheduledRequest] = []
+        self.num_long = 0  # long prefills in progress: beyond max_long_partial_prefills, a waiting one yields
+        self.kv_ns = 0
+
+    def add(self, request: Request, n: int, new_block_ids: list[int], admitted: bool = False,
+            num_reused: int = 0, hit_tokens: int = 0) -> None:
+        """Schedule `n` tokens of `request` with this step's block-table diff."""
+        start = request.num_computed_tokens
+        self.policy.on_scheduled(request, n)
+        row = ScheduledRequest(request, n, start, start + n == request.num_tokens, new_block_ids,
+                               self.kv.num_blocks_held(request.request_id), admitted, num_reused, hit_tokens)
+        self.output.scheduled.append(row)
+        self.scheduled_ids.add(request.request_id)
+        self.budget -= n
+        if self.threshold and request.num_tokens - start > self.threshold:
+            self.long_rows.append(row)
+
+
 class Scheduler:
     """Continuous batching with chunked prefill, prefix caching and preemption by recompute."""
 
@@ -383,46 +416,35 @@ class Scheduler:
         return self._waiting.pop(request_id, None)
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work: running requests first, then admissions, all in policy order."""
-        now = self.clock()
-        kv = self.kv_cache
-        policy = self.policy
-        budget = self.config.max_num_batched_tokens
-        threshold = self.config.long_prefill_threshold
-        max_long = self.config.max_long_partial_prefills
-        output = SchedulerOutput()
-        scheduled_ids: set[str] = set()
-        # Long prefills' rows, held to the threshold until everyone else has had a turn (then topped up),
-        # and how many long prefills are in progress: beyond max_long, a waiting one lets others pass.
-        long_rows: list[ScheduledRequest] = []
-        num_long = 0
-        kv_ns = 0
-        timer = time.perf_counter_ns
+        """Pick this step's work: running requests first, then admissions, all in policy order; then the
+        budget nobody took goes to long prefills and drafts."""
+        step = _StepPlan(self.clock(), self.config, self.policy, self.kv_cache)
+        self._schedule_running(step)
+        # Admitting right after preempting would only evict again what was just made room for.
+        held_for_blocks = False if step.output.preempted else self._admit_waiting(step)
+        self._spend_leftover(step, held_for_blocks)
+        output = step.output
+        output.num_batched_tokens = self.config.max_num_batched_tokens - step.budget
+        output.kv_ns = step.kv_ns
+        if self.kv_cache.num_groups > 1:
+            self._group_diffs(output.scheduled)
+        output.released_request_ids, self._released_ids = self._released_ids, []
+        return output
 
-        def add(request: Request, n: int, new_block_ids: list[int], admitted: bool = False,
-                num_reused: int = 0, hit_tokens: int = 0) -> None:
-            nonlocal budget
-            start = request.num_computed_tokens
-            policy.on_scheduled(request, n)
-            output.scheduled.append(ScheduledRequest(
-                request, n, start, start + n == request.num_tokens, new_block_ids,
-                kv.num_blocks_held(request.request_id), admitted, num_reused, hit_tokens))
-            scheduled_ids.add(request.request_id)
-            budget -= n
-            if threshold and request.num_tokens - start > threshold:
-                long_rows.append(output.scheduled[-1])
-
-        # Each request's turn is isolated: what raises for one request fails that request alone.
-        for request in self._in_policy_order(self._running, now, output, running=True):
-            if budget <= 0:
+    def _schedule_running(self, step: _StepPlan) -> None:
+        """The running pass: each running request's next chunk or decode token, preempting (policy's victim)
+        when blocks run out. Each request's turn is isolated: what raises for one fails that one alone."""
+        kv, output, threshold, timer = self.kv_cache, step.output, step.threshold, time.perf_counter_ns
+        for request in self._in_policy_order(self._running, step.now, output, running=True):
+            if step.budget <= 0:
                 break
             if request.request_id not in self._running:
                 continue  # preempted earlier in this step
             try:
                 num_left = request.num_tokens - request.num_computed_tokens
                 if threshold and num_left > threshold:
-                    num_long += 1
-                n = self._chunk(num_left, budget, threshold)
+                    step.num_long += 1
+                n = self._chunk(num_left, step.budget, threshold)
                 if n <= 0:
                     continue  # nothing known left to compute (the caller has not appended a token yet)
                 # A decode token that fits the blocks held costs a check, not a timed allocation (two clock
@@ -431,11 +453,11 @@ class Scheduler:
                 while new_blocks is None:
                     begin = timer()
                     new_blocks = kv.allocate(request, n)
-                    kv_ns += timer() - begin
+                    step.kv_ns += timer() - begin
                     if new_blocks is not None:
                         break
-                    candidates = [r for r in self._running.values() if r.request_id not in scheduled_ids]
-                    victim = self._victim(candidates, now)
+                    candidates = [r for r in self._running.values() if r.request_id not in step.scheduled_ids]
+                    victim = self._victim(candidates, step.now)
                     self._preempt(victim)
                     output.preempted.append(victim)
                     if victim is request:
@@ -443,86 +465,86 @@ class Scheduler:
                 if request.request_id in self._fresh_tables:  # imported: the runner gets its whole table
                     self._fresh_tables.discard(request.request_id)
                     table = kv.get_block_ids(request.request_id)
-                    add(request, n, table, True, len(table) - len(new_blocks or ()))
+                    step.add(request, n, table, True, len(table) - len(new_blocks or ()))
                 elif request.request_id in self._running:
-                    add(request, n, [b.block_id for b in new_blocks] if new_blocks else [])
+                    step.add(request, n, [b.block_id for b in new_blocks] if new_blocks else [])
             except Exception:  # noqa: BLE001 - logged and turned into this request's error
                 self._fail_request(request, "scheduling", output)
 
-        # Admitting right after preempting would only evict again what was just made room for.
-        held_for_blocks = False
-        if not output.preempted:
-            for request in self._waiting_in_order(now, output):
-                if budget <= 0 or len(self._running) >= self.config.max_num_seqs:
-                    break
-                if request.request_id not in self._waiting:
-                    continue
-                if request.lora_name is not None and not self._adapter_fits(request.lora_name):
-                    continue  # its adapter would be one more than the slots hold: it waits for one to free
-                try:
-                    begin = timer()
-                    computed_blocks, num_hit = kv.get_computed_blocks(request)
-                    kv_ns += timer() - begin
-                except Exception:  # noqa: BLE001 - e.g. a cache salt that cannot be hashed
-                    self._fail_request(request, "looking up the prefix cache for", output)
-                    continue
-                num_left = request.num_tokens - num_hit
-                is_long = 0 < threshold < num_left
-                if is_long and 0 < max_long <= num_long:
-                    continue  # enough long prefills run: shorter requests behind this one go first
-                if self.config.enable_chunked_prefill:
-                    n = self._chunk(num_left, budget, threshold)
-                elif num_left <= budget:
-                    n = num_left
-                elif num_left > self.config.max_num_batched_tokens:
-                    # Only a preempted request grows past one step's budget; it must recompute in chunks.
-                    n = budget
-                else:
-                    break  # it waits for a step with room for all of it
-                try:
-                    begin = timer()
-                    new_blocks = kv.allocate(request, n, computed_blocks, num_hit)
-                    kv_ns += timer() - begin
-                    if new_blocks is None:
-                        held_for_blocks = True
-                        break  # waiting requests never preempt; later ones must not overtake it either
-                    self._unwait(request.request_id)
-                    self._running[request.request_id] = request
-                    if request.status is RequestStatus.PREEMPTED:
-                        self._num_preempted_waiting -= 1
-                    request.status = RequestStatus.RUNNING
-                    request.num_computed_tokens = num_hit
-                    if request.times.first_scheduled is None:
-                        request.times.first_scheduled = now
-                        request.num_cached_tokens = num_hit
-                    add(request, n, [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks],
-                        True, len(computed_blocks), num_hit)
-                    num_long += is_long
-                except Exception:  # noqa: BLE001 - logged and turned into this request's error
-                    self._fail_request(request, "admitting", output)
+    def _admit_waiting(self, step: _StepPlan) -> bool:
+        """The admission pass: waiting requests in policy order while budget, sequences and blocks last.
+        Returns whether one was held for want of blocks (waiting requests never preempt, and later ones do
+        not overtake it)."""
+        kv, output, timer = self.kv_cache, step.output, time.perf_counter_ns
+        threshold, max_long = step.threshold, self.config.max_long_partial_prefills
+        for request in self._waiting_in_order(step.now, output):
+            if step.budget <= 0 or len(self._running) >= self.config.max_num_seqs:
+                break
+            if request.request_id not in self._waiting:
+                continue
+            if request.lora_name is not None and not self._adapter_fits(request.lora_name):
+                continue  # its adapter would be one more than the slots hold: it waits for one to free
+            try:
+                begin = timer()
+                computed_blocks, num_hit = kv.get_computed_blocks(request)
+                step.kv_ns += timer() - begin
+            except Exception:  # noqa: BLE001 - e.g. a cache salt that cannot be hashed
+                self._fail_request(request, "looking up the prefix cache for", output)
+                continue
+            num_left = request.num_tokens - num_hit
+            is_long = 0 < threshold < num_left
+            if is_long and 0 < max_long <= step.num_long:
+                continue  # enough long prefills run: shorter requests behind this one go first
+            if self.config.enable_chunked_prefill:
+                n = self._chunk(num_left, step.budget, threshold)
+            elif num_left <= step.budget:
+                n = num_left
+            elif num_left > self.config.max_num_batched_tokens:
+                # Only a preempted request grows past one step's budget; it must recompute in chunks.
+                n = step.budget
+            else:
+                break  # it waits for a step with room for all of it
+            try:
+                begin = timer()
+                new_blocks = kv.allocate(request, n, computed_blocks, num_hit)
+                step.kv_ns += timer() - begin
+                if new_blocks is None:
+                    return True
+                self._start_running(request, num_hit, step.now)
+                step.add(request, n, [b.block_id for b in computed_blocks] + [b.block_id for b in new_blocks],
+                         True, len(computed_blocks), num_hit)
+                step.num_long += is_long
+            except Exception:  # noqa: BLE001 - logged and turned into this request's error
+                self._fail_request(request, "admitting", output)
+        return False
 
-        # Work-conserving: the budget nobody else took goes back to the long prefills, so a lone long
-        # prompt still fills whole steps. Not in a step that preempted or held a request for want of
-        # blocks: the free blocks are theirs.
-        if long_rows and budget > 0 and not output.preempted and not held_for_blocks:
-            used, top_up_kv_ns = self._top_up(long_rows, budget, output)
-            budget -= used
-            kv_ns += top_up_kv_ns
+    def _start_running(self, request: Request, num_hit: int, now: int) -> None:
+        """Move an admitted request from the waiting queue to the running set, `num_hit` tokens cached."""
+        self._unwait(request.request_id)
+        self._running[request.request_id] = request
+        if request.status is RequestStatus.PREEMPTED:
+            self._num_preempted_waiting -= 1
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = now
+            request.num_cached_tokens = num_hit
 
-        # Drafts only from what is left over: none in a step that preempted, nor while a waiting request
-        # is held back for want of blocks (the free blocks are its).
-        if (self.proposer is not None and budget > 0 and not output.preempted
+    def _spend_leftover(self, step: _StepPlan, held_for_blocks: bool) -> None:
+        """Work-conserving: the budget nobody else took goes back to the long prefills (a lone long prompt
+        still fills whole steps), then to speculative drafts. Neither in a step that preempted or held a
+        request for want of blocks: the free blocks are theirs."""
+        output = step.output
+        if step.long_rows and step.budget > 0 and not output.preempted and not held_for_blocks:
+            used, top_up_kv_ns = self._top_up(step.long_rows, step.budget, output)
+            step.budget -= used
+            step.kv_ns += top_up_kv_ns
+        if (self.proposer is not None and step.budget > 0 and not output.preempted
                 and self.proposer.drafts_allowed(len(self._running))
                 and (not self._waiting or len(self._running) >= self.config.max_num_seqs)):
-            output.num_draft_tokens, draft_kv_ns = self._add_drafts(output.scheduled, budget)
-            budget -= output.num_draft_tokens
-            kv_ns += draft_kv_ns
-        output.num_batched_tokens = self.config.max_num_batched_tokens - budget
-        output.kv_ns = kv_ns
-        if kv.num_groups > 1:
-            self._group_diffs(output.scheduled)
-        output.released_request_ids, self._released_ids = self._released_ids, []
-        return output
+            output.num_draft_tokens, draft_kv_ns = self._add_drafts(output.scheduled, step.budget)
+            step.budget -= output.num_draft_tokens
+            step.kv_ns += draft_kv_ns
 
     def _adapter_fits(self, lora_name: str) -> bool:
         """Whether running one more request of `lora_name` keeps the running adapters within max_loras."""
