@@ -234,13 +234,13 @@ def test_since_replays_the_ring_buffer_and_reports_gaps() -> None:
 
 def test_snapshot_groups_chains_and_names_its_sequence() -> None:
     kv, log = with_log(num_blocks=16)
-    assert log.snapshot(kv.pool) == KVIndexSnapshot(-1, 0, [])
+    assert kv.pool.index_snapshot() == KVIndexSnapshot(-1, 0, [])
     a = make_request("a", list(range(3 * BS + 1)))
     b = make_request("b", [5] * (2 * BS + 1), salt="s")
     admit(kv, a)
     admit(kv, b)
     log.flush(1)
-    snap = log.snapshot(kv.pool, ts_ns=2)
+    snap = kv.pool.index_snapshot(ts_ns=2)
     assert snap.seq == 0 and snap.ts_ns == 2
     assert snap.events == [BlockStored(a.block_hashes[:3], None, list(range(3 * BS)), BS),
                            BlockStored(b.block_hashes[:2], None, [5] * (2 * BS), BS)]
@@ -248,7 +248,7 @@ def test_snapshot_groups_chains_and_names_its_sequence() -> None:
     mirror.resync(snap)
     assert mirror.hashes == index(kv) and mirror.next_seq == 1 and not mirror.stale
     with pytest.raises(ValueError):
-        KVEventLog().snapshot(kv.pool)  # not this pool's log
+        KVCacheManager(4, BS).pool.index_snapshot()  # a pool without a log
 
 
 def test_snapshot_with_pending_events_then_the_next_batch_is_exact() -> None:
@@ -263,7 +263,7 @@ def test_snapshot_with_pending_events_then_the_next_batch_is_exact() -> None:
     assert num_hit == BS
     assert kv.allocate(b, 2 * BS, hits, num_hit) is not None
     assert log.num_pending == 2
-    snap = log.snapshot(kv.pool)
+    snap = kv.pool.index_snapshot()
     assert snap.seq == 0  # the pending events are in it already, and come again in batch 1
     batch = log.flush(1)
     assert batch is not None and batch.seq == 1
@@ -402,7 +402,7 @@ class KVEventsMachine(RuleBasedStateMachine):
         assert (batches is None) == (self.lagger.next_seq < oldest_kept)
         if batches is None:
             note_event("lagger resynced from a snapshot")
-            snap = self.log.snapshot(self.kv.pool, self.ts)
+            snap = self.kv.pool.index_snapshot(self.ts)
             assert snap.seq == self.log.next_seq - 1
             self.lagger.resync(snap)
             batches = self.log.since(snap.seq + 1)
@@ -417,7 +417,7 @@ class KVEventsMachine(RuleBasedStateMachine):
         truth = index(self.kv)
         early = None
         if self.lossy_missed and self.log.num_pending and data.draw(st.booleans(), label="resync early"):
-            early = self.log.snapshot(self.kv.pool, self.ts)  # taken with this operation's events pending
+            early = self.kv.pool.index_snapshot(self.ts)  # taken with this operation's events pending
         self.ts += 1
         batch = self.log.flush(self.ts)
         if batch is not None:
@@ -460,7 +460,7 @@ class KVEventsMachine(RuleBasedStateMachine):
             assert all(fresh.apply(batch) for batch in replay) and fresh.hashes == truth
 
     def _check_snapshot(self, truth: set[int]) -> None:
-        snap = self.log.snapshot(self.kv.pool, self.ts)
+        snap = self.kv.pool.index_snapshot(self.ts)
         assert snap.seq == self.log.next_seq - 1
         stored = [h for event in snap.events for h in event.block_hashes]
         assert len(stored) == len(set(stored)) and set(stored) == truth
@@ -471,7 +471,7 @@ class KVEventsMachine(RuleBasedStateMachine):
         batches = self.log.since(self.lossy.next_seq)
         note_event("lossy recovered by " + ("replay" if batches is not None else "snapshot"))
         if batches is None:
-            snap = self.log.snapshot(self.kv.pool, self.ts)
+            snap = self.kv.pool.index_snapshot(self.ts)
             self.lossy.resync(snap)
             batches = self.log.since(snap.seq + 1)
         assert batches is not None

@@ -146,7 +146,7 @@ def test_events_name_the_group_and_the_router_mirror_keeps_group_0() -> None:
     mirror = KVIndexMirror()
     mirror.apply(batch)
     assert mirror.hashes == {h for h, _ in kv.pool.cached_items(0)}
-    snapshot = log.snapshot(kv.pool)
+    snapshot = kv.pool.index_snapshot()
     assert sorted(e.group for e in snapshot.events) == [0, 1]
 
 

@@ -385,7 +385,7 @@ class EngineCore:
 
     def kv_snapshot(self) -> KVIndexSnapshot | None:
         """The whole prefix index as of the last batch (None with KV events off)."""
-        return self.kv_events.snapshot(self.kv_cache.pool, self.clock()) if self.kv_events is not None else None
+        return self.kv_cache.pool.index_snapshot(self.clock()) if self.kv_events is not None else None
 
     # ---- release: how a request ended, and forgetting it ----------------------------------------------
 

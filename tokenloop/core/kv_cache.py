@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenloop.config import KVGroup
-from tokenloop.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog
+from tokenloop.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventLog, KVIndexSnapshot
 
 if TYPE_CHECKING:  # only for annotations: keeps this module free of the torch import
     from tokenloop.request import Request
@@ -180,6 +180,14 @@ class BlockPool:
         snapshots and tests."""
         indexes = self._indexes if group is None else [self._indexes[group]]
         return [item for index in indexes for item in index.items()]
+
+    def index_snapshot(self, ts_ns: int = 0) -> KVIndexSnapshot:
+        """The whole prefix index as `BlockStored` events (`KVEventLog.snapshot`): what a consumer that
+        lost events resyncs from. Needs the event log this pool records to (ValueError without one)."""
+        if self.events is None:
+            raise ValueError("an index snapshot needs the pool's event log: only it knows the blocks' tokens")
+        return self.events.snapshot(((block_hash, block.group, block.stored_event, block.stored_pos)
+                                     for block_hash, block in self.cached_items()), ts_ns)
 
     def take(self, n: int, group: int = 0) -> list[KVBlock]:
         """Take `n` blocks from the front of the free queue for `group`, each with refcount 1.

@@ -17,13 +17,9 @@ answers "how many leading blocks of this prompt does that engine hold?".
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # annotations only: the pool imports this module, not the other way round
-    from tokenloop.core.kv_cache import BlockPool
 
 
 @dataclass(slots=True)
@@ -138,28 +134,28 @@ class KVEventLog:
             return None
         return list(islice(self._batches, seq - oldest, None))
 
-    def snapshot(self, pool: BlockPool, ts_ns: int = 0) -> KVIndexSnapshot:
+    def snapshot(self, indexed: Iterable[tuple[int, int, BlockStored | None, int]],
+                 ts_ns: int = 0) -> KVIndexSnapshot:
         """The pool's whole index as `BlockStored` events, current as of the last flushed batch.
 
-        Blocks are grouped into one event per run of consecutively published blocks of one chain (the
-        index keeps publication order), so a snapshot is about as compact as the events that built it.
+        `indexed` is the pool's index in publication order: each block's (hash, group, the `BlockStored`
+        that announced it, its position there); `BlockPool.index_snapshot` passes it. Blocks are grouped
+        into one event per run of consecutively published blocks of one chain, so a snapshot is about as
+        compact as the events that built it.
         """
-        if pool.events is not self:
-            raise ValueError("snapshot needs the pool this log records: only it knows the blocks' tokens")
         events: list[BlockStored] = []
         last: BlockStored | None = None
-        for block_hash, block in pool.cached_items():
-            stored, pos = block.stored_event, block.stored_pos
+        for block_hash, group, stored, pos in indexed:
             assert stored is not None, "a block indexed while a log is attached knows its BlockStored"
             size = stored.block_size
             tokens = stored.token_ids[pos * size:(pos + 1) * size]
             parent = stored.block_hashes[pos - 1] if pos else stored.parent_block_hash
             if (last is not None and last.block_hashes[-1] == parent and last.block_size == size
-                    and last.group == block.group):
+                    and last.group == group):
                 last.block_hashes.append(block_hash)
                 last.token_ids.extend(tokens)
                 continue
-            last = BlockStored([block_hash], parent, tokens, size, block.group)
+            last = BlockStored([block_hash], parent, tokens, size, group)
             events.append(last)
         return KVIndexSnapshot(self._next_seq - 1, ts_ns, events)
 
