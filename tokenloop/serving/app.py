@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -55,6 +55,8 @@ if TYPE_CHECKING:  # an app over an engine core in another process never imports
 logger = logging.getLogger(__name__)
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+# `json_body(raw, model=None)`: a request's checked JSON body (validated as `model` when given).
+BodyReader = Callable[..., Awaitable[Any]]
 
 
 class OpenAIServing(CompletionsServing, ChatServing):
@@ -132,6 +134,25 @@ def create_app(
     app.state.limits = limits
     app.add_middleware(EdgeGuard, api_key=api_key, limits=limits)
 
+    _install_error_handlers(app)
+    json_body = _body_reader(serving, limits)
+    app.include_router(_openai_router(serving, json_body))
+    # /v1/trace* and /v1/dashboard/state are behind the key (EdgeGuard); the /dashboard page asks for it.
+    app.include_router(make_trace_router(lambda: async_engine.tracer))
+    app.include_router(make_admin_router(lambda: async_engine))
+    app.include_router(make_lora_router(serving, json_body))  # behind the key: under /v1
+    app.include_router(_service_router(serving, async_engine, json_body))
+    declare_request_bodies(app, {"/v1/completions": (CompletionRequest,),
+                                 "/v1/chat/completions": (ChatCompletionRequest,),
+                                 "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
+                                 "/detokenize": (DetokenizeRequest,)})
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI's error body: ours as they are, FastAPI's and Starlette's translated,
+    anything unexpected as a 500 with an incident id (the traceback goes to the log, not the client)."""
+
     @app.exception_handler(APIError)
     async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -159,9 +180,13 @@ def create_app(
                      exc_info=exc)
         return internal_error(incident).response()
 
+
+def _body_reader(serving: OpenAIServing, limits: ServerLimits) -> BodyReader:
+    """`json_body(raw, model=None)`: the checked body (validated as `model` when given). EdgeGuard has read
+    and bounded it already; parsing and validating a body of megabytes is CPU work, so it runs off the
+    event loop."""
+
     async def json_body(raw: Request, model: type[ModelT] | None = None) -> Any:
-        """The checked body (validated as `model` when given). EdgeGuard has read and bounded it already;
-        parsing and validating a body of megabytes is CPU work, so it runs off the event loop."""
         body, content_type = await raw.body(), raw.headers.get("content-type")
 
         def parse() -> Any:
@@ -170,6 +195,11 @@ def create_app(
 
         return await serving.off_loop(parse)
 
+    return json_body
+
+
+def _openai_router(serving: OpenAIServing, json_body: BodyReader) -> APIRouter:
+    """/v1/models, /v1/completions, /v1/chat/completions."""
     v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
@@ -190,45 +220,43 @@ def create_app(
     async def create_chat_completion(raw: Request) -> Response:
         return await serving.chat(await json_body(raw, ChatCompletionRequest), raw)
 
-    app.include_router(v1)
-    # /v1/trace* and /v1/dashboard/state are behind the key (EdgeGuard); the /dashboard page asks for it.
-    app.include_router(make_trace_router(lambda: async_engine.tracer))
-    app.include_router(make_admin_router(lambda: async_engine))
-    app.include_router(make_lora_router(serving, json_body))  # behind the key: under /v1
+    return v1
 
-    @app.post("/tokenize")
+
+def _service_router(serving: OpenAIServing, async_engine: AsyncEngine, json_body: BodyReader) -> APIRouter:
+    """vLLM's extras beside the OpenAI routes: /tokenize, /detokenize, /health, /version, /metrics."""
+    router = APIRouter()
+    metrics = async_engine.metrics
+
+    @router.post("/tokenize")
     async def tokenize(raw: Request) -> Response:
         body = await json_body(raw)
         result = await serving.off_loop(serving.tokenize, body)
         # A long prompt's ids are a long list: serialized off the loop, in pieces (see dump_json_in_pieces).
         return Response(await serving.off_loop(dump_json_in_pieces, result), media_type="application/json")
 
-    @app.post("/detokenize")
+    @router.post("/detokenize")
     async def detokenize(raw: Request) -> Response:
         req = await json_body(raw, DetokenizeRequest)
         return _json(await serving.off_loop(serving.detokenize, req))
 
-    @app.get("/health")
+    @router.get("/health")
     async def health() -> Response:
         if not async_engine.is_running or not async_engine.accepting:
             raise APIError(503, "the engine is not running", "server_error", None, "service_unavailable")
         return Response(status_code=200)
 
-    app.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head",
-                      include_in_schema=False)  # load balancers probe with HEAD
+    router.add_api_route("/health", health, methods=["HEAD"], operation_id="health_head",
+                         include_in_schema=False)  # load balancers probe with HEAD
 
-    @app.get("/version")
+    @router.get("/version")
     async def version() -> Response:
         return _json(VersionResponse(version=__version__))
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def prometheus_metrics() -> Response:
         if metrics is None:
             return Response(b"", media_type=CONTENT_TYPE)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    declare_request_bodies(app, {"/v1/completions": (CompletionRequest,),
-                                 "/v1/chat/completions": (ChatCompletionRequest,),
-                                 "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
-                                 "/detokenize": (DetokenizeRequest,)})
-    return app
+    return router
