@@ -202,6 +202,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        """One batched forward over the step's rows: their tokens, positions and slots per KV group as host
+        arrays (numpy, no per-token Python), sent to the device once; the logits of the rows that sample."""
+        # Kept as one function past ~60 lines: it is the step's hot path, and its arrays are built once each.
         block_size = self.block_size
         scheduled = output.scheduled
         tables = self.tables
@@ -210,17 +213,7 @@ class ModelRunner:
         rows = np.fromiter((row_of[item.request_id] for item in scheduled), np.int64, len(scheduled))
         starts = np.fromiter((item.num_computed_tokens for item in scheduled), np.int64, len(scheduled))
         counts = np.fromiter((item.num_tokens for item in scheduled), np.int64, len(scheduled))
-        input_ids: list[int] = []
-        for item in scheduled:
-            tokens = item.request.all_token_ids
-            start = item.num_computed_tokens
-            if item.num_tokens == 1:
-                input_ids.append(tokens[start])
-            elif item.draft_token_ids:  # one real token, then the drafts to verify
-                input_ids.append(tokens[start])
-                input_ids.extend(item.draft_token_ids)
-            else:
-                input_ids.extend(tokens[start:start + item.num_tokens])
+        input_ids = _step_token_ids(scheduled)
 
         query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start_loc[1:])
@@ -275,16 +268,11 @@ class ModelRunner:
         if events is not None:
             events[1].record()
 
+        prompt_logits: list[PromptLogitsSlice] = []
         if prompt_rows:
-            prompt_logits = [PromptLogitsSlice(rid, first, logits[at:at + count])
-                             for rid, first, at, count in prompt_rows]
-            keep = np.ones(len(logits_index), dtype=np.bool_)
-            for _, _, at, count in prompt_rows:
-                keep[at:at + count] = False
-            sample_rows = torch.from_numpy(np.flatnonzero(keep)).to(device)  # by index: a mask would sync
-            return RunnerOutput(sample_indices.tolist(), logits.index_select(0, sample_rows), prompt_logits,
-                                forward_s, self.model.last_weight_form, events)
-        return RunnerOutput(sample_indices.tolist(), logits, [], forward_s, self.model.last_weight_form, events)
+            logits, prompt_logits = _split_prompt_logits(logits, prompt_rows)
+        return RunnerOutput(sample_indices.tolist(), logits, prompt_logits, forward_s, self.model.last_weight_form,
+                            events)
 
     def _lora_batch(self, scheduled: list[ScheduledRequest], token_rows: np.ndarray) -> LoRABatch | None:
         """The step's adapter products: each token's adapter slot (loading adapters not resident), or None
@@ -329,3 +317,32 @@ def _with_draft_rows(last_rows: np.ndarray, sample_indices: np.ndarray, schedule
     first = last_rows - drafts
     offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.repeat(first, counts) + offsets
+
+
+def _step_token_ids(scheduled: list[ScheduledRequest]) -> list[int]:
+    """The step's input ids, row after row: a decode row's one token, a chunk's tokens, or one real token
+    followed by the drafts it verifies."""
+    input_ids: list[int] = []
+    for item in scheduled:
+        tokens = item.request.all_token_ids
+        start = item.num_computed_tokens
+        if item.num_tokens == 1:
+            input_ids.append(tokens[start])
+        elif item.draft_token_ids:  # one real token, then the drafts to verify
+            input_ids.append(tokens[start])
+            input_ids.extend(item.draft_token_ids)
+        else:
+            input_ids.extend(tokens[start:start + item.num_tokens])
+    return input_ids
+
+
+def _split_prompt_logits(logits: torch.Tensor, prompt_rows: list[tuple[str, int, int, int]],
+                         ) -> tuple[torch.Tensor, list[PromptLogitsSlice]]:
+    """Separate the prompt-logprob rows (request id, first target, first row, count) from the rows that
+    sample: (the sampling rows' logits, each request's prompt slice)."""
+    prompt_logits = [PromptLogitsSlice(rid, first, logits[at:at + count]) for rid, first, at, count in prompt_rows]
+    keep = np.ones(logits.shape[0], dtype=np.bool_)
+    for _, _, at, count in prompt_rows:
+        keep[at:at + count] = False
+    sample_rows = torch.from_numpy(np.flatnonzero(keep)).to(logits.device)  # by index: a mask would sync
+    return logits.index_select(0, sample_rows), prompt_logits
