@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Served decode speed of a mixture-of-experts GGUF (scripts/make_moe_gguf.py: OLMoE-1B-7B's shape) at 1 and 8
 # streaming chat clients of 64 tokens, tokenloop and then llama.cpp's llama-server on the same file, one after
-# the other on port 8124 (127.0.0.1 only), the same client (`tokenloop bench serve`) against each:
+# the other on a free port of 127.0.0.1, the same client (`tokenloop bench serve`) against each:
 #   scripts/bench_moe.sh MODEL.gguf [TARGET ...]     (default targets: tokenloop llama.cpp)
 # llama.cpp runs only where its binary is already built (scripts/baselines/llama_cpp.sh build; never started
 # from here: the build takes both cores for minutes). One stream runs 4 requests one after another; 8 streams
@@ -14,7 +14,9 @@ cd "$(dirname "$0")/.."
 MODEL=${1:?usage: scripts/bench_moe.sh MODEL.gguf [tokenloop|llama.cpp ...]}
 shift
 PY=${PY:-.venv/bin/python}
-PORT=${PORT:-8124}
+# A port nobody listens on (others benchmark on this machine too): a server that cannot bind must not leave
+# the client measuring someone else's.
+PORT=${PORT:-$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 THREADS=${THREADS:-$(nproc)}
 LLAMA_SERVER="${TOKENLOOP_LLAMA_CPP_DIR:-$HOME/.cache/tokenloop/llama.cpp}/build/bin/llama-server"
 start_server() {
@@ -41,6 +43,7 @@ for t in "${@:-tokenloop llama.cpp}"; do
   start_server "$t"
   trap 'kill -INT $pid 2>/dev/null || true' EXIT
   for _ in $(seq 1 1800); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 0.5; done
+  kill -0 "$pid" || { echo "=== target=$t: the server exited (port $PORT taken?)"; exit 1; }
   echo "=== target=$t threads=$THREADS ready after $(( $(date +%s) - start )) s, RSS $(tree_rss_gb "$pid")"
   bench() { "$PY" -m tokenloop bench serve --base-url "http://127.0.0.1:$PORT" \
     --endpoint /v1/chat/completions --dataset random --request-rate inf --random-input-len 32 "$@"; }
@@ -50,6 +53,6 @@ for t in "${@:-tokenloop llama.cpp}"; do
     bench --num-prompts "$(( c == 1 ? 4 : c ))" --max-concurrency "$c" --random-output-len 64 --seed 0 \
       | grep -iE "output token throughput|mean ttft|mean tpot|mean itl"
   done
-  kill -INT "$pid"; wait "$pid" || true
+  kill -INT "$pid" || true; wait "$pid" || true
   trap - EXIT
 done
