@@ -45,6 +45,7 @@ from tokenloop.structured.engine_hooks import StructuredOutputs
 
 if TYPE_CHECKING:
     from tokenloop.model.models.llama import LlamaModel
+    from tokenloop.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -70,25 +71,16 @@ class EngineCore:
         self.clock = clock
         self.observers = ObserverSet(list(observers))
         block_size = config.cache.block_size
-        self.dtype_choice: DtypeChoice | None
-        self.model: LlamaModel | None
+        self.dtype_choice: DtypeChoice | None = None
+        self.model: LlamaModel | None = None
         if stand_in is None:
-            require_device(config.device)
             checkpoint = checkpoint or load_checkpoint(config.model, keep_quantized=True)
-            model_config = checkpoint.config
-            tokenizer = checkpoint.tokenizer
-            self.vocab_size, self.eos_token_id = model_config.vocab_size, tokenizer.eos_token_id
-            model_len = model_config.max_position_embeddings
-            self.dtype_choice = resolve_dtype(config.dtype, config.weight_dtype, config.device,
-                                              checkpoint.is_quantized, CpuFeatures.detect(), config.kv_cache_dtype)
-            logger.info("dtype: %s", self.dtype_choice.describe())
-            self.model = build_model(model_config, checkpoint.weights, self.dtype_choice, config.device,
-                                     min(config.max_model_len or model_len, model_len))
-            kv_bytes_per_block = self.model.kv_bytes_per_block(block_size)
+            tokenizer: Tokenizer | None = checkpoint.tokenizer
+            model_len, kv_bytes_per_block = self._build_model(config, checkpoint)
         else:  # no model: the stand-in's runner (tokenloop.sim) produces the steps' logits and their time
             if config.speculative is not None:
                 raise ConfigError("the simulator does not model speculative decoding: leave speculative unset")
-            tokenizer, self.dtype_choice, self.model = None, None, None
+            tokenizer = None
             self.vocab_size, self.eos_token_id = stand_in.vocab_size, stand_in.eos_token_id
             model_len = stand_in.max_model_len
             kv_bytes_per_block = stand_in.kv_bytes_per_block(block_size)
@@ -96,18 +88,7 @@ class EngineCore:
         # views of the mapped GGUF file, whose pages (the whole file, ~94 MiB) stayed resident while held.
         self.checkpoint = None if checkpoint is None else dataclasses.replace(checkpoint, weights={})
         self.max_model_len = min(config.max_model_len or model_len, model_len)
-        num_blocks = config.cache.num_blocks or max(
-            1, config.cache.kv_cache_memory_bytes // kv_bytes_per_block)
-        self.kv_events = KVEventLog() if config.cache.enable_kv_events else None
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                                       events=self.kv_events,
-                                       groups=self.model.kv_groups() if self.model is not None else (KVGroup(),))
-        pool_tokens = self.kv_cache.max_tokens_alone(config.scheduler.max_num_batched_tokens)
-        if pool_tokens < self.max_model_len:
-            # A request may grow to max_model_len; a pool smaller than that could never hold it alone.
-            logger.info("max_model_len %d exceeds the KV cache (%d tokens); lowering it to fit",
-                        self.max_model_len, pool_tokens)
-            self.max_model_len = pool_tokens
+        num_blocks = self._make_kv_cache(config, kv_bytes_per_block)
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         self.adapters = None if config.lora is None or self.model is None else AdapterStage(
             config.lora, self.model, adapter_dtype(self.dtype_choice))
@@ -136,6 +117,37 @@ class EngineCore:
         self.progress = Progress()
         if self.model is not None:
             self.model.progress = self.progress
+
+    def _build_model(self, config: EngineConfig, checkpoint: Checkpoint) -> tuple[int, int]:
+        """Pick the dtypes and build the model from the checkpoint's weights; returns (the model's context
+        length, KV bytes per block)."""
+        require_device(config.device)
+        model_config = checkpoint.config
+        self.vocab_size, self.eos_token_id = model_config.vocab_size, checkpoint.tokenizer.eos_token_id
+        model_len = model_config.max_position_embeddings
+        self.dtype_choice = resolve_dtype(config.dtype, config.weight_dtype, config.device,
+                                          checkpoint.is_quantized, CpuFeatures.detect(), config.kv_cache_dtype)
+        logger.info("dtype: %s", self.dtype_choice.describe())
+        self.model = build_model(model_config, checkpoint.weights, self.dtype_choice, config.device,
+                                 min(config.max_model_len or model_len, model_len))
+        return model_len, self.model.kv_bytes_per_block(config.cache.block_size)
+
+    def _make_kv_cache(self, config: EngineConfig, kv_bytes_per_block: int) -> int:
+        """The KV pool (its events log if asked for) in the memory the config gives it, and max_model_len
+        lowered to what one request can hold in it; returns the pool's number of blocks."""
+        num_blocks = config.cache.num_blocks or max(
+            1, config.cache.kv_cache_memory_bytes // kv_bytes_per_block)
+        self.kv_events = KVEventLog() if config.cache.enable_kv_events else None
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                       events=self.kv_events,
+                                       groups=self.model.kv_groups() if self.model is not None else (KVGroup(),))
+        pool_tokens = self.kv_cache.max_tokens_alone(config.scheduler.max_num_batched_tokens)
+        if pool_tokens < self.max_model_len:
+            # A request may grow to max_model_len; a pool smaller than that could never hold it alone.
+            logger.info("max_model_len %d exceeds the KV cache (%d tokens); lowering it to fit",
+                        self.max_model_len, pool_tokens)
+            self.max_model_len = pool_tokens
+        return num_blocks
 
     # ---- requests in -----------------------------------------------------------------------------
 
