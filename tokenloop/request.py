@@ -10,7 +10,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 from tokenloop.errors import InvalidRequestError
 from tokenloop.structured.spec import StructuredOutputsParams
@@ -223,7 +223,7 @@ class Request:
         priority: int = 0,
         user: str | None = None,
         cache_salt: str | None = None,
-        eos_token_id: int | None = None,
+        eos_token_ids: Collection[int] = (),
     ) -> None:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
@@ -236,7 +236,7 @@ class Request:
         self.priority = priority
         self.user = user
         self.cache_salt = cache_salt
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)  # any of them ends the request (unless ignore_eos)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission

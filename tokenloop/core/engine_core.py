@@ -75,7 +75,9 @@ class EngineCore:
             checkpoint = checkpoint or load_checkpoint(config.model, keep_quantized=True)
             model_config = checkpoint.config
             tokenizer = checkpoint.tokenizer
-            self.vocab_size, self.eos_token_id = model_config.vocab_size, tokenizer.eos_token_id
+            # Every end-of-generation id stops a request: eos, and eot / generation_config's others
+            # (Gemma's <end_of_turn>, Llama 3's <|eot_id|>).
+            self.vocab_size, self.eos_token_ids = model_config.vocab_size, tokenizer.eos_token_ids
             model_len = model_config.max_position_embeddings
             self.dtype_choice = resolve_dtype(config.dtype, config.weight_dtype, config.device,
                                               checkpoint.is_quantized, CpuFeatures.detect(), config.kv_cache_dtype)
@@ -87,7 +89,8 @@ class EngineCore:
             if config.speculative is not None:
                 raise ConfigError("the simulator does not model speculative decoding: leave speculative unset")
             tokenizer, self.dtype_choice, self.model = None, None, None
-            self.vocab_size, self.eos_token_id = stand_in.vocab_size, stand_in.eos_token_id
+            self.vocab_size = stand_in.vocab_size
+            self.eos_token_ids = frozenset(() if stand_in.eos_token_id is None else (stand_in.eos_token_id,))
             model_len = stand_in.max_model_len
             kv_bytes_per_block = stand_in.kv_bytes_per_block(block_size)
         # Config and tokenizer only: the weights live in the model now, and the checkpoint's ggml blocks are
@@ -113,7 +116,7 @@ class EngineCore:
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._prompt_logprobs_sent: dict[str, int] = {}  # prompt positions already reported, per request
         self.handoffs = HandoffStage(config.model, self.scheduler, self.kv_cache, self.runner, self.sampler,
-                                     self.structured, self.vocab_size, self.eos_token_id,
+                                     self.structured, self.vocab_size, self.eos_token_ids,
                                      config.scheduler.max_num_seqs, clock)
         self.num_steps = 0
         # Fault injection (tests, the soak): every step with work first sleeps this long, as a slower model
@@ -155,7 +158,7 @@ class EngineCore:
             for spec, grammar in zip(requests, grammars):
                 request = Request(spec.request_id, spec.prompt_token_ids, spec.params, spec.arrival_ns,
                                   prompt=spec.prompt, priority=spec.priority, user=spec.user,
-                                  cache_salt=spec.cache_salt, eos_token_id=self.eos_token_id)
+                                  cache_salt=spec.cache_salt, eos_token_ids=self.eos_token_ids)
                 request.structured = grammar.new_matcher() if grammar is not None else None
                 if request.structured is not None and spec.structured_replay:
                     self.structured.replay(request, spec.structured_replay)
@@ -401,7 +404,7 @@ class EngineCore:
         num_output_tokens = len(request.output_token_ids)
         can_stop = num_output_tokens >= params.min_tokens
         status: RequestStatus | None = None
-        if can_stop and not params.ignore_eos and token == request.eos_token_id:
+        if can_stop and not params.ignore_eos and token in request.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
         elif request.structured is not None and request.structured.is_terminated:  # the grammar is complete
             status = RequestStatus.FINISHED_STOPPED
