@@ -113,6 +113,10 @@ class EngineCore:
                        else stand_in.make_runner(num_blocks, block_size))
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size)  # type: ignore[arg-type]
+        if tokenizer is not None:
+            # llguidance reads the vocabulary holding the GIL (7-12 s for Gemma 3's 262k tokens on a loaded
+            # 2-core machine): here, before the heartbeat is watched, not on the first structured request.
+            _ = self.structured.compiler
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._prompt_logprobs_sent: dict[str, int] = {}  # prompt positions already reported, per request
         self.handoffs = HandoffStage(config.model, self.scheduler, self.kv_cache, self.runner, self.sampler,
