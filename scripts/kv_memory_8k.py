@@ -63,10 +63,13 @@ def llama_cpp_kv(model: Path, tokens: int, port: int) -> None:
     for extra in ((), ("--swa-full",)):
         with tempfile.TemporaryDirectory() as tmp:
             log = Path(tmp) / "llama-server.log"
-            with LlamaServer(model, port, context=tokens, extra=extra, log=log):
+            # -v: the KV caches' sizes are info lines, which llama-server prints only when verbose.
+            with LlamaServer(model, port, context=tokens, extra=("-v", *extra), log=log):
                 pass
-            lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
-                     if re.search(r"kv_cache|KV buffer|KV self size|n_swa|swa", line, re.IGNORECASE)]
+            # (The server sizes its caches twice, a trial context first: the sizes repeat.)
+            lines = dict.fromkeys(re.sub(r"^[\d.]+ \w ", "", line.strip())
+                                  for line in log.read_text(errors="replace").splitlines()
+                                  if re.search(r"llama_kv_cache: size|creating .*KV cache", line))
         print(f"llama.cpp -c {tokens} -np 1 {' '.join(extra) or '(default)'}:")
         for line in lines:
             print(f"  {line}")
