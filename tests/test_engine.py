@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from tokenizers import Tokenizer as RustTokenizer
 
 from tests.conftest import TINY_PROMPTS
 from tokenloop import LLM, SamplingParams
@@ -10,6 +13,7 @@ from tokenloop.engine import LLMEngine
 from tokenloop.errors import InvalidRequestError
 from tokenloop.llm import build_engine_config
 from tokenloop.model.loader import Checkpoint
+from tokenloop.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -118,6 +122,26 @@ def test_max_model_len_and_eos(tiny: Checkpoint) -> None:
     stopped = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100.0}),
                            use_tqdm=False)[0].outputs[0]
     assert stopped.token_ids == [eos] and stopped.finish_reason == "stop" and stopped.text == ""
+
+
+def test_every_end_of_generation_id_stops_a_request(tiny: Checkpoint) -> None:
+    # A second end-of-generation id (Gemma's <end_of_turn>, Llama 3's <|eot_id|>) ends a request as eos does.
+    base = tiny.tokenizer
+    end_of_turn = next(i for i in range(3, base.vocab_size) if i not in base.eos_token_ids)
+    tokenizer = Tokenizer(RustTokenizer.from_str(base.backend.to_str()), source="tiny+eot",
+                          eos_token_id=base.eos_token_id, extra_eos_token_ids=[end_of_turn])
+    llm = make_llm(dataclasses.replace(tiny, tokenizer=tokenizer))
+    forced = {end_of_turn: 100.0}
+
+    def run(**options: object) -> object:
+        params = SamplingParams(temperature=0, max_tokens=6, logit_bias=forced, **options)
+        return llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+
+    stopped = run()
+    assert stopped.token_ids == [end_of_turn] and stopped.finish_reason == "stop" and stopped.stop_reason is None
+    assert run(ignore_eos=True).token_ids == [end_of_turn] * 6
+    late = run(min_tokens=3)  # masked until the third token
+    assert len(late.token_ids) == 4 and late.token_ids[-1] == end_of_turn and late.finish_reason == "stop"
 
 
 def test_n_samples_share_the_prompt_blocks(tiny: Checkpoint) -> None:

@@ -19,8 +19,9 @@ NEG_INF = float("-inf")
 
 
 def make_request(params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None,
-                 eos: int | None = None, request_id: str = "r") -> Request:
-    request = Request(request_id, prompt or [0], params, arrival_ns=0, eos_token_id=eos)
+                 eos: int | frozenset[int] | None = None, request_id: str = "r") -> Request:
+    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else eos
+    request = Request(request_id, prompt or [0], params, arrival_ns=0, eos_token_ids=eos_ids)
     for token_id in output or []:
         request.append_output_token(token_id)
     return request
@@ -425,7 +426,7 @@ def test_a_sampling_batch_samples_as_its_request_list_does(batch: tuple[torch.Te
     from_list = Sampler(logits.shape[1], seed=seed).sample(logits, requests)
     # Fresh requests: seeded rows' generators must start from the same state in both runs.
     again = [make_request(r.sampling_params, prompt=r.prompt_token_ids, output=r.output_token_ids,
-                          eos=r.eos_token_id, request_id=r.request_id) for r in requests]
+                          eos=r.eos_token_ids, request_id=r.request_id) for r in requests]
     built = sampler_module.SamplingBatch.from_requests(again, logits.shape[1])
     from_batch = Sampler(logits.shape[1], seed=seed).sample(logits, built)
     assert from_batch == from_list

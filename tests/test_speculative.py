@@ -157,7 +157,7 @@ def test_eos_stop_tokens_and_max_tokens_inside_the_drafts(tiny: Checkpoint, long
         plain = make_llm(tiny)
         spec, counts = _oracle_llm(tiny, long_continuations)
         if eos_token is not None:
-            plain.engine.core.eos_token_id = spec.engine.core.eos_token_id = eos_token
+            plain.engine.core.eos_token_ids = spec.engine.core.eos_token_ids = frozenset({eos_token})
             params = SamplingParams(temperature=0.0, max_tokens=32)
         expected = plain.generate(prompts, params, use_tqdm=False)
         got = spec.generate(prompts, params, use_tqdm=False)

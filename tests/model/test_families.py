@@ -7,13 +7,16 @@ are close; and the same model written as an F32 GGUF with the `gguf` package giv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 
 from tests.model.test_llama import _assert_relative_close, _hf_last_logits, _mixed_step_logits, _prompts
 from tests.model.test_loader import write_tiny_gguf
@@ -57,8 +60,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 # Rows whose embedding starts narrower than std 1: Gemma scales it by sqrt(hidden), and at std 1 its residual
 # stream is the embedding and nothing else (greedy repeats one token, whatever the window).
 _EMBED_STD = {"gemma3_text": _SHAPE["hidden_size"] ** -0.5}
-# The rows the round trip covers (phi3's LongRoPE tensors: not yet).
-GGUF_WRITTEN = ("llama", "qwen2", "qwen3", "gemma3_text", "olmoe", "qwen3_moe")
+# The rows the round trip covers: all.
+GGUF_WRITTEN = tuple(FAMILIES)
 MOE = ("olmoe", "qwen3_moe")
 NEW_TOKENS = 12
 
@@ -155,13 +158,36 @@ def test_f32_gguf_gives_the_same_tokens_as_safetensors(family_dir: Path, tmp_pat
     path = write_tiny_gguf(family_dir, tmp_path / "tiny.gguf")
     from_gguf = load_checkpoint(str(path))
     from_hf = load_checkpoint(str(family_dir))
-    # GGUF stacks each layer's experts into one tensor a projection; HF holds one per expert.
-    assert from_gguf.weights.keys() == {re.sub(r"\.experts\.\d+\.", ".experts.", n) for n in from_hf.weights}
+    # GGUF stacks each layer's experts into one tensor a projection (HF holds one per expert); llama.cpp's
+    # rotary factor tensors have no HF name: LongRoPE's come back in the config.
+    assert from_gguf.weights.keys() - {"rope_factors_long", "rope_factors_short"} == {
+        re.sub(r"\.experts\.\d+\.", ".experts.", n) for n in from_hf.weights}
     moe_fields = ("num_experts", "num_experts_per_tok", "expert_intermediate_size", "norm_topk_prob")
     assert [getattr(from_gguf.config, f) for f in moe_fields] == [getattr(from_hf.config, f)
                                                                   for f in moe_fields]
+    gguf_rope, hf_rope = from_gguf.config.rope_scaling, from_hf.config.rope_scaling
+    assert gguf_rope.attention_factor == pytest.approx(hf_rope.attention_factor)  # float32 in a GGUF
+    assert dataclasses.replace(gguf_rope, attention_factor=hf_rope.attention_factor) == hf_rope
+    assert from_gguf.config.rotary_dim == from_hf.config.rotary_dim
     prompts = _token_prompts(seed=8)
     assert _ours_greedy(str(path), prompts) == _ours_greedy(str(family_dir), prompts)
+
+
+def test_q8_0_gguf_gives_the_tokens_of_its_dequantized_weights(family_dir: Path, tmp_path: Path) -> None:
+    """A quantized file's layout per family: the Q8_0 GGUF, dequantized on load, runs as the safetensors model
+    whose matrices went through the same Q8_0 round trip (norms and factors stay F32, as in real files)."""
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file, save_file
+
+    path = write_tiny_gguf(family_dir, tmp_path / "tiny-q8_0.gguf", QType.Q8_0)
+    reference = Path(shutil.copytree(family_dir, tmp_path / "q8_0-dequantized"))
+    weights = load_file(str(reference / "model.safetensors"))
+    for name, tensor in weights.items():
+        if tensor.dim() == 2:
+            weights[name] = torch.from_numpy(dequantize(quantize(tensor.numpy(), QType.Q8_0), QType.Q8_0))
+    save_file(weights, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    prompts = _token_prompts(seed=11)
+    assert _ours_greedy(str(path), prompts) == _ours_greedy(str(reference), prompts)
 
 
 def test_sliding_window_decides_gemma3_tokens(tmp_path: Path) -> None:

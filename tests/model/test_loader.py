@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -63,6 +64,8 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
         rope = rope["full_attention"]
     writer.add_rope_freq_base(config.get("rope_theta") or rope["rope_theta"])
+    if rope.get("rope_type") == "longrope":
+        _add_longrope(writer, config, rope)
     if "sliding_attention" in (config.get("layer_types") or ()):
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config["layer_types"]])
@@ -123,6 +126,22 @@ def _experts_stacked(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     for name, parts in stacks.items():
         out[name] = np.stack([parts[e] for e in range(len(parts))])
     return out
+
+
+def _add_longrope(writer: gguf.GGUFWriter, config: dict, rope: dict) -> None:
+    """Phi-3's LongRoPE as llama.cpp's converter writes it: the rotary dims, the original context, the
+    magnitude, and the two factor lists as tensors."""
+    writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * config["hidden_size"])
+                                    // config["num_attention_heads"])
+    original = rope["original_max_position_embeddings"]
+    writer.add_rope_scaling_orig_ctx_len(original)
+    # The converter derives the magnitude from the stretch, as HF does for a config that states none; a
+    # stated one (the tiny row's) is written as it is, so that the row keeps it.
+    stretch = config["max_position_embeddings"] / original
+    derived = math.sqrt(1 + math.log(stretch) / math.log(original)) if stretch > 1.0 else 1.0
+    writer.add_rope_scaling_attn_factors(rope.get("attention_factor") or derived)
+    writer.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+    writer.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
 
 
 def test_gguf_weights_equal_hf_weights_after_unpermuting(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -74,6 +74,7 @@ class EngineCore:
         self.dtype_choice: DtypeChoice | None = None
         self.model: LlamaModel | None = None
         if stand_in is None:
+            require_device(config.device)  # before reading a checkpoint: a wrong device fails fast
             checkpoint = checkpoint or load_checkpoint(config.model, keep_quantized=True)
             tokenizer: Tokenizer | None = checkpoint.tokenizer
             model_len, kv_bytes_per_block = self._build_model(config, checkpoint)
@@ -81,7 +82,8 @@ class EngineCore:
             if config.speculative is not None:
                 raise ConfigError("the simulator does not model speculative decoding: leave speculative unset")
             tokenizer = None
-            self.vocab_size, self.eos_token_id = stand_in.vocab_size, stand_in.eos_token_id
+            self.vocab_size = stand_in.vocab_size
+            self.eos_token_ids = frozenset(() if stand_in.eos_token_id is None else (stand_in.eos_token_id,))
             model_len = stand_in.max_model_len
             kv_bytes_per_block = stand_in.kv_bytes_per_block(block_size)
         # Config and tokenizer only: the weights live in the model now, and the checkpoint's ggml blocks are
@@ -103,11 +105,15 @@ class EngineCore:
                                       self.adapters.slots if self.adapters is not None else None)
         self.sampler = Sampler(self.vocab_size, seed=config.seed)
         self.structured = StructuredOutputs(tokenizer, self.vocab_size)  # type: ignore[arg-type]
+        if tokenizer is not None:
+            # llguidance reads the vocabulary holding the GIL (7-12 s for Gemma 3's 262k tokens on a loaded
+            # 2-core machine): here, before the heartbeat is watched, not on the first structured request.
+            _ = self.structured.compiler
         self._requests: dict[str, Request] = {}  # unfinished requests by id
         self._prompt_logprobs_sent: dict[str, int] = {}  # prompt positions already reported, per request
         self.updater = Updater(self.scheduler, self.structured, self.max_model_len, clock)
         self.handoffs = HandoffStage(config.model, self.scheduler, self.kv_cache, self.runner, self.sampler,
-                                     self.structured, self.vocab_size, self.eos_token_id,
+                                     self.structured, self.vocab_size, self.eos_token_ids,
                                      config.scheduler.max_num_seqs, clock)
         self.num_steps = 0
         # Fault injection (tests, the soak): every step with work first sleeps this long, as a slower model
@@ -121,9 +127,10 @@ class EngineCore:
     def _build_model(self, config: EngineConfig, checkpoint: Checkpoint) -> tuple[int, int]:
         """Pick the dtypes and build the model from the checkpoint's weights; returns (the model's context
         length, KV bytes per block)."""
-        require_device(config.device)
         model_config = checkpoint.config
-        self.vocab_size, self.eos_token_id = model_config.vocab_size, checkpoint.tokenizer.eos_token_id
+        # Every end-of-generation id stops a request: eos, and eot / generation_config's others (Gemma's
+        # <end_of_turn>, Llama 3's <|eot_id|>).
+        self.vocab_size, self.eos_token_ids = model_config.vocab_size, checkpoint.tokenizer.eos_token_ids
         model_len = model_config.max_position_embeddings
         self.dtype_choice = resolve_dtype(config.dtype, config.weight_dtype, config.device,
                                           checkpoint.is_quantized, CpuFeatures.detect(), config.kv_cache_dtype)
@@ -185,7 +192,7 @@ class EngineCore:
             for spec, grammar in zip(requests, grammars):
                 request = Request(spec.request_id, spec.prompt_token_ids, spec.params, spec.arrival_ns,
                                   prompt=spec.prompt, priority=spec.priority, user=spec.user,
-                                  cache_salt=spec.cache_salt, eos_token_id=self.eos_token_id,
+                                  cache_salt=spec.cache_salt, eos_token_ids=self.eos_token_ids,
                                   lora_name=spec.lora_name)
                 request.structured = grammar.new_matcher() if grammar is not None else None
                 if request.structured is not None and spec.structured_replay:

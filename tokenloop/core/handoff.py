@@ -105,7 +105,7 @@ class HandoffStage:
     """The engine core's handoff stage over its scheduler, KV cache and runner; holds the open leases."""
 
     def __init__(self, model: str, scheduler: Scheduler, kv_cache: KVCacheManager, runner: ModelRunner,
-                 sampler: Sampler, structured: StructuredOutputs, vocab_size: int, eos_token_id: int | None,
+                 sampler: Sampler, structured: StructuredOutputs, vocab_size: int, eos_token_ids: frozenset[int],
                  max_num_seqs: int, clock: Clock) -> None:
         self.model = model
         self.scheduler = scheduler
@@ -114,7 +114,7 @@ class HandoffStage:
         self.sampler = sampler
         self.structured = structured
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.max_num_seqs = max_num_seqs
         self.clock = clock
         self._leases: dict[str, _Lease] = {}
@@ -315,7 +315,7 @@ class HandoffStage:
         now = self.clock()
         request = Request(state.request_id, state.prompt_token_ids, state.params, now - state.age_ns,
                           prompt=state.prompt, priority=state.priority, user=state.user,
-                          cache_salt=state.cache_salt, eos_token_id=self.eos_token_id,
+                          cache_salt=state.cache_salt, eos_token_ids=self.eos_token_ids,
                           lora_name=state.lora_name)
         for token in state.output_token_ids:
             request.append_output_token(token)

@@ -142,7 +142,7 @@ class Updater:
         num_output_tokens = len(request.output_token_ids)
         can_stop = num_output_tokens >= params.min_tokens
         status: RequestStatus | None = None
-        if can_stop and not params.ignore_eos and token == request.eos_token_id:
+        if can_stop and not params.ignore_eos and token in request.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
         elif request.structured is not None and request.structured.is_terminated:  # the grammar is complete
             status = RequestStatus.FINISHED_STOPPED

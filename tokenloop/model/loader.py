@@ -148,10 +148,18 @@ def _gguf_config(gguf: GGUFFile) -> ModelConfig:
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
     num_kv_heads = int(get("attention.head_count_kv", num_heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count",
-                                                                      hidden // num_heads)))
+    # The rotary dims: a whole head, or fewer where only part of it rotates (Phi-3's converter writes them
+    # and no key_length); a head wider than hidden / heads states its width in one key or the other.
+    rotary_dims = int(meta.get(f"{arch}.rope.dimension_count") or 0)
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or max(rotary_dims, hidden // num_heads))
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type in ("none", None):
+    if "rope_factors_long.weight" in gguf.tensors:  # LongRoPE: the converter writes the factors as tensors
+        rope_scaling = RopeScaling(
+            "longrope", original_max_position_embeddings=int(get("rope.scaling.original_context_length")),
+            long_factor=tuple(gguf.load("rope_factors_long.weight").tolist()),
+            short_factor=tuple(gguf.load("rope_factors_short.weight").tolist()),
+            attention_factor=float(meta.get(f"{arch}.rope.scaling.attn_factor") or 0.0))
+    elif scaling_type in ("none", None):
         rope_scaling = RopeScaling()
     elif scaling_type == "linear":
         rope_scaling = RopeScaling("linear", float(get("rope.scaling.factor")))
@@ -200,6 +208,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelConfig:
             expert_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length")
                                          or get("feed_forward_length")) if num_experts else 0,
             norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", family.gguf_expert_weights_norm)),
+            partial_rotary_factor=rotary_dims / head_dim if 0 < rotary_dims < head_dim else 1.0,
         )
     except ConfigError as exc:
         raise ModelLoadError(f"{gguf.path}: {exc}") from exc
