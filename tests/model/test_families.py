@@ -183,7 +183,7 @@ def test_q8_0_gguf_gives_the_tokens_of_its_dequantized_weights(family_dir: Path,
     reference = Path(shutil.copytree(family_dir, tmp_path / "q8_0-dequantized"))
     weights = load_file(str(reference / "model.safetensors"))
     for name, tensor in weights.items():
-        if tensor.dim() == 2:
+        if tensor.dim() == 2 and not name.endswith("mlp.gate.weight"):  # an MoE router stays F32, as in the file
             weights[name] = torch.from_numpy(dequantize(quantize(tensor.numpy(), QType.Q8_0), QType.Q8_0))
     save_file(weights, str(reference / "model.safetensors"), metadata={"format": "pt"})
     prompts = _token_prompts(seed=11)
