@@ -194,3 +194,13 @@ def test_k_quant_tiny_model_generates_the_dequantized_models_tokens() -> None:
         return sequence.token_ids[len(prompt):]
 
     assert greedy(model) == greedy(reference)
+
+
+def test_dense_copies_only_within_the_models_budget() -> None:
+    """A model keeps bf16 copies of its quantized matrices for large batches only while they fit the budget."""
+    weights = [k_quant(QType.Q6_K, 32, 256, seed=5)[0], k_quant(QType.Q4_K, 16, 512, seed=6)[0], torch.ones(8)]
+    copies = (32 * 256 + 16 * 512) * 2  # bf16 bytes
+    assert PackThresholds(dense_copy_budget=copies).for_model(weights, torch.bfloat16).keep_dense
+    assert not PackThresholds(dense_copy_budget=copies - 1).for_model(weights, torch.bfloat16).keep_dense
+    assert not PackThresholds(dense_copy_budget=copies).for_model(weights, torch.float32).keep_dense
+    assert PackThresholds.always_packed().for_model([], torch.bfloat16) == PackThresholds.always_packed()

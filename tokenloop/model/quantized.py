@@ -16,7 +16,11 @@ Q/K permutation undone, Q/K/V and gate/up fused) work on the raw rows, so no flo
 - Q5_0 -> Q8_0 blocks with the same values (its 5-bit q - 16 is an int8 code beside the same fp16 d), then as
   Q8_0. llama-quantize's K-quant mixes fall back to Q5_0 / Q5_1 where a row is no multiple of 256 values
   (SmolLM2's 576: most of its Q4_K_M is Q5_0).
-- anything else (Q5_1, Q6_K, Q5_K, Q2_K, Q3_K) -> a dense bf16 matrix, dequantized one tensor at a time.
+- Q5_K / Q6_K -> their integer codes and two levels of scales for our int8-dot kernels (`model/kquant_dot.py`),
+  exactly, where those kernels run natively; a projection whose parts differ in type (a Q4_K_M file's Q4_K Q
+  and K beside a Q6_K V) is a `RowStack` of packs.
+- anything else (Q5_1, Q2_K, Q3_K; K-quants without the int8-dot kernels) -> a dense bf16 matrix, dequantized
+  one tensor at a time.
 
 Where the compiled kernels run AVX512-VNNI or AVX2, Q4 and Q8_0 matrices are packed instead for our int8
 dot-product kernels (`model/int8_dot.py`: the file's codes and fp16 scales, activations quantized per block of
@@ -30,7 +34,8 @@ serves every batch size itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -63,12 +68,26 @@ class PackThresholds:
     bf16 copy (the fp32 LM head keeps no copy).
     `always_packed()` never uses the copy (tests, least memory). `int8_dot`: pack for our int8 dot-product
     kernels where they run natively (AVX512-VNNI or AVX2); off, torch's int4 kernel and our fp32 Q8_0 kernel.
+    `dense_copy_budget`: the most bytes the copies of a model's matrices may take (`for_model`): a small model
+    keeps them (the default model's bf16 copies: ~0.3 GB beside a 0.1 GB file), a real-size one does not
+    (Llama 3.2 1B's: 2.5 GB beside a 0.8 GB file; the resident-memory goal is 1.3x the file + KV pool).
     """
 
     int4_max_rows: int = 16
     q8_max_rows: int = 8
     keep_dense: bool = True
     int8_dot: bool = True
+    dense_copy_budget: int = 1 << 30
+
+    def for_model(self, weights: Iterable[object], dense_dtype: torch.dtype) -> PackThresholds:
+        """These thresholds, without dense copies where the model's quantized matrices would need more than
+        `dense_copy_budget` bytes of them in `dense_dtype`."""
+        if not self.keep_dense:
+            return self
+        size = torch.empty(0, dtype=dense_dtype).element_size()
+        total = sum(w.shape[0] * w.shape[1] * size for w in weights
+                    if isinstance(w, GGMLTensor) and w.tensor_type not in (QType.F32, QType.F16, QType.BF16))
+        return self if total <= self.dense_copy_budget else replace(self, keep_dense=False)
 
     @classmethod
     def always_packed(cls) -> PackThresholds:

@@ -72,6 +72,10 @@ class WeightSource:
     thresholds: PackThresholds = field(default_factory=PackThresholds)
     dense_copy_dtype: torch.dtype = torch.bfloat16
 
+    def __post_init__(self) -> None:
+        if self.quantized:  # dense copies for large batches only where the model is small enough to afford them
+            self.thresholds = self.thresholds.for_model(self.weights.values(), self.dense_copy_dtype)
+
     def has(self, name: str) -> bool:
         return name in self.weights
 
