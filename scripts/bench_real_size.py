@@ -16,20 +16,25 @@ Usage: python scripts/bench_real_size.py [--shapes llama-1b llama-3b] [--streams
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_size_gguf  # beside this script
+
+from tokenloop.bench.server_process import served_process, stop_server
+from tokenloop.serving.server import free_port
 
 CACHE = Path(os.environ.get("TOKENLOOP_CACHE_DIR", Path.home() / ".cache" / "tokenloop"))
 LLAMA_BIN = Path.home() / ".cache" / "tokenloop" / "llama.cpp" / "build" / "bin"
@@ -66,26 +71,26 @@ def model_file(shape: str, kind: str) -> Path:
     return out
 
 
-def start_server(target: str, path: Path, port: int) -> subprocess.Popen[bytes]:
-    if target == "llama.cpp":
-        command = [str(LLAMA_BIN / "llama-server"), "-m", str(path), "-t", "2", "-np", "32", "-c", "16384",
-                   "--host", "127.0.0.1", "--port", str(port), "--log-disable"]
-    else:
-        command = [sys.executable, "-m", "tokenloop", "serve", "--model", str(path), "--host", "127.0.0.1",
-                   "--port", str(port), "--no-trace", "--log-level", "warning"]
-    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 1800  # a 3B load under a loaded machine
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"{target} exited with {server.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return server
-        except OSError:
-            time.sleep(1)
-    server.terminate()
-    raise RuntimeError(f"{target} was not ready in time")
+@contextlib.contextmanager
+def server(target: str, path: Path, log: Path) -> Iterator[tuple[str, int]]:
+    """The target serving `path` on 127.0.0.1: (base URL, pid) once healthy; stopped on exit."""
+    if target == "tokenloop":
+        with served_process(["--model", str(path), "--no-trace", "--log-level", "warning"], log,
+                            health_timeout_s=1800) as (url, process):  # a 3B load on a loaded machine
+            yield url, process.pid
+        return
+    port = free_port()
+    command = [str(LLAMA_BIN / "llama-server"), "-m", str(path), "-t", "2", "-np", "32", "-c", "16384",
+               "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code != 200 if \
+                process.poll() is None else False:
+            time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}", process.pid
+    finally:
+        stop_server(process)
 
 
 def tree_rss_mib(pid: int) -> float:
@@ -93,11 +98,11 @@ def tree_rss_mib(pid: int) -> float:
     return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / (1 << 20)
 
 
-def bench(port: int, streams: int, input_len: int, output_len: int, seed: int, prompts: int = 0) -> dict[str, float]:
+def bench(url: str, streams: int, input_len: int, output_len: int, seed: int, prompts: int = 0) -> dict[str, float]:
     """One client run: `prompts` requests (default: 4 one after another at one stream, else one per stream)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         prompts = prompts or (4 if streams == 1 else streams)
-        subprocess.run([sys.executable, "-m", "tokenloop", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+        subprocess.run([sys.executable, "-m", "tokenloop", "bench", "serve", "--base-url", url,
                         "--endpoint", "/v1/completions", "--dataset", "random", "--request-rate", "inf",
                         "--random-input-len", str(input_len), "--random-output-len", str(output_len),
                         "--num-prompts", str(prompts), "--max-concurrency", str(streams), "--seed", str(seed),
@@ -114,7 +119,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--targets", nargs="+", default=["tokenloop", "llama.cpp"], choices=["tokenloop", "llama.cpp"])
     parser.add_argument("--kind", choices=["auto", "llama-quantize", "blocks"], default="auto")
-    parser.add_argument("--port", type=int, default=8131)
     args = parser.parse_args()
     bandwidth = read_bandwidth_gbs()
     print(f"read bandwidth (torch sum, {torch.get_num_threads()} threads): {bandwidth:.1f} GB/s")
@@ -127,20 +131,15 @@ def main() -> None:
         print(f"<!-- {shape}: {path.name}, {path.stat().st_size / 1e6:.0f} MB, floor {floor:.1f} tok/s -->")
         for round_ in range(1, args.rounds + 1):
             for target in targets:
-                server = start_server(target, path, args.port)
-                try:
-                    bench(args.port, 2, 32, 8, seed=99)  # warm-up
-                    prefill = bench(args.port, 1, 2048, 1, seed=round_, prompts=1)
+                with server(target, path, CACHE / "real-size" / f"{target}.log") as (url, pid):
+                    bench(url, 2, 32, 8, seed=99)  # warm-up
+                    prefill = bench(url, 1, 2048, 1, seed=round_, prompts=1)
                     for streams in args.streams:
-                        row = bench(args.port, streams, 32, 64, seed=round_)
+                        row = bench(url, streams, 32, 64, seed=round_)
                         share = f"{row['tok_s'] / floor:.2f}" if streams == 1 else ""
                         print(f"| {shape} | {target} | {round_} | {streams} | {row['tok_s']:.1f} | "
                               f"{row['ttft_ms']:.0f} | {row['itl_ms']:.1f} | {share} | "
-                              f"{2048 / (prefill['ttft_ms'] / 1e3):.0f} | {tree_rss_mib(server.pid):.0f} |", flush=True)
-                finally:
-                    server.terminate()
-                    server.wait(timeout=60)
-
+                              f"{2048 / (prefill['ttft_ms'] / 1e3):.0f} | {tree_rss_mib(pid):.0f} |", flush=True)
 
 if __name__ == "__main__":
     main()
