@@ -85,9 +85,14 @@ def server(target: str, path: Path, log: Path) -> Iterator[tuple[str, int]]:
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        while httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code != 200 if \
-                process.poll() is None else False:
+        deadline = time.monotonic() + 600
+        while process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
+                    break
             time.sleep(0.5)
+        else:
+            raise RuntimeError(f"llama-server did not become healthy (see {log})")
         yield f"http://127.0.0.1:{port}", process.pid
     finally:
         stop_server(process)
