@@ -136,11 +136,12 @@ def test_pack_linear_and_mixed_fusion_run_the_k_quant_kernels() -> None:
     v, ref_v = k_quant(QType.Q6_K, 16, 256, seed=3)
     head = pack_linear(v, PackThresholds(), dense_dtype=torch.float32)
     assert isinstance(head, PackedLinear) and head.form == "q6_k_vnni" and head.dense is None
-    fused = pack_fused([q, v], PackThresholds.always_packed())
+    k, _ = k_quant(QType.Q4_K, 16, 256, seed=7)
+    fused = pack_fused([q, k, v], PackThresholds.always_packed())  # Q and K of one type share a pack
     assert isinstance(fused, PackedLinear) and isinstance(fused.packed, RowStack)
-    assert fused.form == "int4_vnni+q6_k_vnni" and fused.packed.out_features == 48
+    assert fused.form == "int4_vnni+q6_k_vnni" and fused.packed.out_features == 64
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
-    parts = [pack_linear(q, PackThresholds.always_packed()), head]
+    parts = [pack_linear(GGMLTensor.concat([q, k]), PackThresholds.always_packed()), head]
     assert torch.equal(fused(x), torch.cat([part.packed.matmul(x) for part in parts], dim=1))
     # The Q4_K part's int8-dot pack rounds d sc and dmin mn to fp16: compared with what it holds.
     held = torch.cat([fused.packed.parts[0].dequantize(), torch.from_numpy(ref_v)]).double()

@@ -34,6 +34,7 @@ serves every batch size itself.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -472,8 +473,10 @@ def pack_fused(parts: list[GGMLTensor], thresholds: PackThresholds = PackThresho
     joined = GGMLTensor.concat(parts)
     if joined is not None:
         return pack_linear(joined, thresholds, dense_dtype)
-    packs = [pack_linear(part, PackThresholds(thresholds.int4_max_rows, thresholds.q8_max_rows, False,
-                                              thresholds.int8_dot), dense_dtype) for part in parts]
+    # Neighbours of one type share a pack (Q and K of Q4_K, V of Q6_K: two kernel calls, not three).
+    runs = [GGMLTensor.concat(list(run)) for _, run in itertools.groupby(parts, key=lambda p: p.tensor_type)]
+    alone = replace(thresholds, keep_dense=False)
+    packs = [pack_linear(run, alone, dense_dtype) if run is not None else None for run in runs]
     if not all(isinstance(p, PackedLinear) and isinstance(p.packed, FLOAT32_OUT_PACKS) for p in packs):
         return None
     stack = RowStack([p.packed for p in packs])  # type: ignore[union-attr,misc]
