@@ -5,8 +5,9 @@ F16 weights quantized by llama.cpp's `llama-quantize` where it is built (~/.cach
 scripts/baselines/llama_cpp.sh), else llama-quantize's type mix written directly as random blocks. Files are
 cached outside the repo (~/.cache/tokenloop/real-size). Both servers as users start them (`tokenloop serve
 --model FILE`; `llama-server -m FILE -t 2 -np 32 -c 16384`), 127.0.0.1 only, alternated within each round,
-the same client (`tokenloop bench serve`: random prompts of 32 tokens, 64 output tokens, EOS ignored) at 1, 8
-and 32 streams; then one 2,048-token prompt (prefill tok/s = 2048 / TTFT) and the servers' resident memory
+the same client (`tokenloop bench serve`, chat: random prompts of 32 tokens, 64 output tokens, EOS
+ignored) at 1, 8 and 32 streams; then one 2,048-token prompt (prefill tok/s = 2048 / TTFT) and the servers'
+resident memory
 (the process tree's RSS). The floor: this machine's read bandwidth (torch sums over 512 MB, both cores) and
 one-stream decode as a fraction of `file bytes / bandwidth` tokens per second.
 Usage: python scripts/bench_real_size.py [--shapes llama-1b llama-3b] [--streams 1 8 32] [--rounds 1]
@@ -103,36 +104,42 @@ def tree_rss_mib(pid: int) -> float:
     return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)]) / (1 << 20)
 
 
-def bench(url: str, streams: int, input_len: int, output_len: int, seed: int, prompts: int = 0) -> dict[str, float]:
-    """One client run: `prompts` requests (default: 4 one after another at one stream, else one per stream)."""
+def bench(url: str, streams: int, input_len: int, output_len: int, seed: int,
+          prompts: int = 0) -> dict[str, float]:
+    """One client run: `prompts` requests (default: 4 one after another at one stream, else one a stream)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as result:
         prompts = prompts or (4 if streams == 1 else streams)
         subprocess.run([sys.executable, "-m", "tokenloop", "bench", "serve", "--base-url", url,
-                        "--endpoint", "/v1/completions", "--dataset", "random", "--request-rate", "inf",
+                        "--endpoint", "/v1/chat/completions", "--dataset", "random", "--request-rate", "inf",
                         "--random-input-len", str(input_len), "--random-output-len", str(output_len),
                         "--num-prompts", str(prompts), "--max-concurrency", str(streams), "--seed", str(seed),
                         "--save-result", result.name, "--disable-tqdm"],
                        cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         data = json.loads(Path(result.name).read_text())
-    return {"tok_s": data["output_throughput"], "ttft_ms": data["mean_ttft_ms"], "itl_ms": data["mean_itl_ms"]}
+    return {"tok_s": data["output_throughput"], "ttft_ms": data["mean_ttft_ms"],
+            "itl_ms": data["mean_itl_ms"]}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=["llama-1b", "llama-3b"], choices=sorted(real_size_gguf.SHAPES))
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["llama-1b", "llama-3b"],
+                        choices=sorted(real_size_gguf.SHAPES))
     parser.add_argument("--streams", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--targets", nargs="+", default=["tokenloop", "llama.cpp"], choices=["tokenloop", "llama.cpp"])
+    parser.add_argument("--targets", nargs="+", default=["tokenloop", "llama.cpp"],
+                        choices=["tokenloop", "llama.cpp"])
     parser.add_argument("--kind", choices=["auto", "llama-quantize", "blocks"], default="auto")
     args = parser.parse_args()
     bandwidth = read_bandwidth_gbs()
     print(f"read bandwidth (torch sum, {torch.get_num_threads()} threads): {bandwidth:.1f} GB/s")
     targets = [t for t in args.targets if t != "llama.cpp" or (LLAMA_BIN / "llama-server").exists()]
-    print("| shape | target | round | streams | out tok/s | TTFT ms | ITL ms | of floor | prefill 2k tok/s | RSS MiB |")
+    print("| shape | target | round | streams | out tok/s | TTFT ms | ITL ms | of floor | prefill 2k tok/s "
+          "| RSS MiB |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for shape in args.shapes:
         path = model_file(shape, args.kind)
-        floor = bandwidth * 1e9 / path.stat().st_size  # tokens/s if a token read the file once at full bandwidth
+        floor = bandwidth * 1e9 / path.stat().st_size  # tokens/s if each read the file once at full bandwidth
         print(f"<!-- {shape}: {path.name}, {path.stat().st_size / 1e6:.0f} MB, floor {floor:.1f} tok/s -->")
         for round_ in range(1, args.rounds + 1):
             for target in targets:
@@ -144,7 +151,8 @@ def main() -> None:
                         share = f"{row['tok_s'] / floor:.2f}" if streams == 1 else ""
                         print(f"| {shape} | {target} | {round_} | {streams} | {row['tok_s']:.1f} | "
                               f"{row['ttft_ms']:.0f} | {row['itl_ms']:.1f} | {share} | "
-                              f"{2048 / (prefill['ttft_ms'] / 1e3):.0f} | {tree_rss_mib(pid):.0f} |", flush=True)
+                              f"{2048 / (prefill['ttft_ms'] / 1e3):.0f} | {tree_rss_mib(pid):.0f} |",
+                              flush=True)
 
 if __name__ == "__main__":
     main()
