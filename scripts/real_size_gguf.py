@@ -7,7 +7,7 @@ Q4_K_M file:
 - `q4_k_m`: llama-quantize's Q4_K_M type choice written directly as random K-quant blocks (every byte pattern
   with finite fp16 scales is a valid block): Q6_K for the output / tied embedding and for attn_v and ffn_down
   of the "more bits" layers, Q4_K elsewhere, norms F32 (llama.cpp's src/llama-quant.cpp). No llama.cpp needed.
-The tokenizer is borrowed from the default model's GGUF, its vocabulary padded with unused tokens to the
+The tokenizer is borrowed from the default model's GGUF, its vocabulary padded with plain tokens to the
 shape's (an LM head of the real size); streams are forced to full length with ignore_eos.
 Usage: python scripts/real_size_gguf.py SHAPE OUT [--kind q4_k_m|f16]   (SHAPE: llama-1b, llama-3b, qwen3-1.7b)
 """
@@ -75,7 +75,7 @@ def random_blocks(kind: QT, rows: int, cols: int, rng: np.random.Generator) -> n
 
 
 def borrowed_tokenizer(writer: gguf.GGUFWriter, vocab: int, source: Path) -> None:
-    """The default model's tokenizer (its merges and special tokens), padded with unused tokens to `vocab`."""
+    """The default model's tokenizer (its merges and special tokens), padded with plain tokens to `vocab`."""
     reader = gguf.GGUFReader(str(source))
     fields = reader.fields
     tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in fields["tokenizer.ggml.tokens"].data]
@@ -84,8 +84,9 @@ def borrowed_tokenizer(writer: gguf.GGUFWriter, vocab: int, source: Path) -> Non
     pad = vocab - len(tokens)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens + [f"<unused_{i}>" for i in range(pad)])
-    writer.add_token_types(types + [gguf.TokenType.UNUSED] * pad)
+    # Normal tokens with text: random weights pick them often, and llama-server streams nothing for unused ones.
+    writer.add_token_list(tokens + [f"[pad{i}]" for i in range(pad)])
+    writer.add_token_types(types + [gguf.TokenType.NORMAL] * pad)
     writer.add_token_merges(merges)
     for key, add in (("tokenizer.ggml.bos_token_id", writer.add_bos_token_id),
                      ("tokenizer.ggml.eos_token_id", writer.add_eos_token_id)):
