@@ -4,7 +4,7 @@ For each shape (scripts/real_size_gguf.py: Llama 3.2 1B / 3B, Qwen3 1.7B) a rand
 F16 weights quantized by llama.cpp's `llama-quantize` where it is built (~/.cache/tokenloop/llama.cpp, by
 scripts/baselines/llama_cpp.sh), else llama-quantize's type mix written directly as random blocks. Files are
 cached outside the repo (~/.cache/tokenloop/real-size). Both servers as users start them (`tokenloop serve
---model FILE`; `llama-server -m FILE -t 2 -np 32 -c 16384`), 127.0.0.1 only, alternated within each round,
+--model FILE`; `llama-server -m FILE -t 2 -np 32 -c 16384 --kv-unified`), 127.0.0.1 only, alternated within each round,
 the same client (`tokenloop bench serve`, chat: random prompts of 32 tokens, 64 output tokens, EOS
 ignored) at 1, 8 and 32 streams; then one 2,048-token prompt (prefill tok/s = 2048 / TTFT) and the servers'
 resident memory
@@ -81,8 +81,9 @@ def server(target: str, path: Path, log: Path) -> Iterator[tuple[str, int]]:
             yield url, process.pid
         return
     port = free_port()
+    # --kv-unified: the 32 slots share the 16k context (else each has 512 tokens and the 2k prompt is refused).
     command = [str(LLAMA_BIN / "llama-server"), "-m", str(path), "-t", "2", "-np", "32", "-c", "16384",
-               "--host", "127.0.0.1", "--port", str(port)]
+               "--kv-unified", "--host", "127.0.0.1", "--port", str(port)]
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
