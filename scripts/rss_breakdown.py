@@ -65,12 +65,13 @@ def model_tensor_bytes(model) -> dict[str, int]:  # model: a LlamaModel
 
     def add_weight(weight) -> None:
         if isinstance(weight, PackedLinear):
-            if isinstance(weight.packed, Int4Weight):
-                add("int4 packs", weight.packed.packed)
-                add("int4 packs", weight.packed.scales_zeros)
-            else:  # Q8_0 and the int8-dot packs: codes + scales
-                add(f"{weight.form} codes + scales", weight.packed.codes)
-                add(f"{weight.form} codes + scales", weight.packed.scales)
+            for pack in getattr(weight.packed, "parts", [weight.packed]):  # a RowStack's parts, or the pack
+                if isinstance(pack, Int4Weight):
+                    add("int4 packs", pack.packed)
+                    add("int4 packs", pack.scales_zeros)
+                else:  # Q8_0, the int8-dot and K-quant packs: codes + scales
+                    add(f"{pack.form} codes + scales", pack.codes)
+                    add(f"{pack.form} codes + scales", pack.scales)
             if weight.dense is not None:
                 add(f"dense copies ({str(weight.dense.dtype).removeprefix('torch.')})", weight.dense)
         elif isinstance(weight, torch.Tensor):

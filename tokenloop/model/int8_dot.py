@@ -78,6 +78,19 @@ def quantize_activations(x: torch.Tensor, blocks: int) -> QuantizedActivations:
     return QuantizedActivations(codes, remainders, scales, x.sum(-1))
 
 
+def tile_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
+    """ggml's Q4 bytes [N, B, 16] uint8 (value j of a block in the low nibble of byte j, j + 16 in the high one) ->
+    the kernels' tiles [ceil(N / 16), B, 256], N padded with zero bytes."""
+    n, blocks, _ = nibbles.shape
+    tiles = -(-n // TILE)
+    padded = torch.nn.functional.pad(nibbles, (0, 0, 0, 0, 0, tiles * TILE - n)) if tiles * TILE > n else nibbles
+    # [tile, lane, block, chunk, byte] -> [tile, block, chunk, lane, byte]: byte j of a block (values j and
+    # j + 16) sits in chunk j / 4 at byte j % 4, beside the same bytes of the tile's 15 other rows. A chunk's
+    # 4 bytes move together: permuted as one int32 (4x fewer elements to move).
+    words = padded.contiguous().view(torch.int32).view(tiles, TILE, blocks, 4)
+    return words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(tiles, blocks, -1)
+
+
 def _pad_rows_and_blocks(values: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
     """[N, B] (or [N, K] with K padded to blocks x 32) zero-padded to N = rows, last dim = blocks."""
     return torch.nn.functional.pad(values, (0, blocks - values.shape[1], 0, rows - values.shape[0]))
@@ -108,12 +121,7 @@ class Int4DotWeight:
         the high one), d and m [N, B], for `in_features` <= 32 B columns; N is padded with zero weights."""
         n, blocks, _ = nibbles.shape
         tiles = -(-n // TILE)
-        padded = torch.nn.functional.pad(nibbles, (0, 0, 0, 0, 0, tiles * TILE - n)) if tiles * TILE > n else nibbles
-        # [tile, lane, block, chunk, byte] -> [tile, block, chunk, lane, byte]: byte j of a block (values j and
-        # j + 16) sits in chunk j / 4 at byte j % 4, beside the same bytes of the tile's 15 other rows. A chunk's
-        # 4 bytes move together: permuted as one int32 (4x fewer elements to move).
-        words = padded.contiguous().view(torch.int32).view(tiles, TILE, blocks, 4)
-        packed = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(tiles, blocks, -1)
+        packed = tile_nibbles(nibbles)
 
         def tiled(values: torch.Tensor) -> torch.Tensor:  # [N, B] -> [tiles, B, 16]
             return _pad_rows_and_blocks(values.float(), tiles * TILE, blocks).view(tiles, TILE, blocks).transpose(1, 2)
@@ -176,8 +184,23 @@ class Int4DotWeight:
         return _blockwise(quantized, grouped, d[:n]) + quantized.sums @ m[:n].t()
 
 
+class BlockTiles:
+    """Packs whose `codes` are [tiles, K / 32, bytes per block] uint8 beside fp16 `scales`: width and size."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * GROUP_SIZE
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 2
+
+
 @dataclass
-class Q8DotWeight:
+class Q8DotWeight(BlockTiles):
     """Q8_0 codes and fp16 scales in the int8-dot layout; multiplies float32 into float32. Its `rows` serve an
     embedding lookup: one copy for a tied embedding and LM head."""
 
@@ -204,14 +227,6 @@ class Q8DotWeight:
         packed = words.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(tiles, blocks, -1)
         tiled = _pad_rows_and_blocks(scales.float(), tiles * TILE, blocks).view(tiles, TILE, blocks).transpose(1, 2)
         return cls(packed.contiguous(), tiled.to(torch.float16).contiguous(), n)
-
-    @property
-    def in_features(self) -> int:
-        return self.codes.shape[1] * GROUP_SIZE
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * 2
 
     def rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows `ids` of the untiled matrix: codes [T, K] int8 and scales [T, K / 32] float32."""

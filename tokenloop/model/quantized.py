@@ -16,7 +16,11 @@ Q/K permutation undone, Q/K/V and gate/up fused) work on the raw rows, so no flo
 - Q5_0 -> Q8_0 blocks with the same values (its 5-bit q - 16 is an int8 code beside the same fp16 d), then as
   Q8_0. llama-quantize's K-quant mixes fall back to Q5_0 / Q5_1 where a row is no multiple of 256 values
   (SmolLM2's 576: most of its Q4_K_M is Q5_0).
-- anything else (Q5_1, Q6_K, Q5_K, Q2_K, Q3_K) -> a dense bf16 matrix, dequantized one tensor at a time.
+- Q5_K / Q6_K -> their integer codes and two levels of scales for our int8-dot kernels (`model/kquant_dot.py`),
+  exactly, where those kernels run natively; a projection whose parts differ in type (a Q4_K_M file's Q4_K Q
+  and K beside a Q6_K V) is a `RowStack` of packs.
+- anything else (Q5_1, Q2_K, Q3_K; K-quants without the int8-dot kernels) -> a dense bf16 matrix, dequantized
+  one tensor at a time.
 
 Where the compiled kernels run AVX512-VNNI or AVX2, Q4 and Q8_0 matrices are packed instead for our int8
 dot-product kernels (`model/int8_dot.py`: the file's codes and fp16 scales, activations quantized per block of
@@ -30,7 +34,9 @@ serves every batch size itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -39,7 +45,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenloop.model.cpu_kernels import avx512_native, paged_decode_kernels
-from tokenloop.model.int8_dot import Int4DotWeight, Q8DotWeight, check_q8_codes, int8_dot_available
+from tokenloop.model.int8_dot import (
+    Int4DotWeight,
+    Q8DotWeight,
+    check_q8_codes,
+    int8_dot_available,
+)
+from tokenloop.model.kquant_dot import KQUANT_DOT_TYPES, KQuantDotWeight, k_scales_mins
 
 GROUP_SIZE = 32  # ggml's Q4/Q8 block length, and the int4 kernel's group size
 SUPER_BLOCK = 256  # the K-quants' super-block length
@@ -57,12 +69,26 @@ class PackThresholds:
     bf16 copy (the fp32 LM head keeps no copy).
     `always_packed()` never uses the copy (tests, least memory). `int8_dot`: pack for our int8 dot-product
     kernels where they run natively (AVX512-VNNI or AVX2); off, torch's int4 kernel and our fp32 Q8_0 kernel.
+    `dense_copy_budget`: the most bytes the copies of a model's matrices may take (`for_model`): a small model
+    keeps them (the default model's bf16 copies: ~0.3 GB beside a 0.1 GB file), a real-size one does not
+    (Llama 3.2 1B's: 2.5 GB beside a 0.8 GB file; the resident-memory goal is 1.3x the file + KV pool).
     """
 
     int4_max_rows: int = 16
     q8_max_rows: int = 8
     keep_dense: bool = True
     int8_dot: bool = True
+    dense_copy_budget: int = 1 << 30
+
+    def for_model(self, weights: Iterable[object], dense_dtype: torch.dtype) -> PackThresholds:
+        """These thresholds, without dense copies where the model's quantized matrices would need more than
+        `dense_copy_budget` bytes of them in `dense_dtype`."""
+        if not self.keep_dense:
+            return self
+        size = torch.empty(0, dtype=dense_dtype).element_size()
+        total = sum(w.shape[0] * w.shape[1] * size for w in weights
+                    if isinstance(w, GGMLTensor) and w.tensor_type not in (QType.F32, QType.F16, QType.BF16))
+        return self if total <= self.dense_copy_budget else replace(self, keep_dense=False)
 
     @classmethod
     def always_packed(cls) -> PackThresholds:
@@ -181,12 +207,7 @@ class GGMLTensor:
         block = self.blocks.reshape(rows, cols // SUPER_BLOCK, 144)
         d = block[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         dmin = block[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        packed = block[..., 4:16]
-        low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-        # Sub-blocks 0-3 keep their 6 bits in the low bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 take
-        # 4 bits from bytes 8-11 and their top 2 bits from the spare top bits of bytes 0-7.
-        sc = np.concatenate([low & 63, (extra & 0x0F) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
-        mn = np.concatenate([high & 63, (extra >> 4) | ((high >> 6) << 4)], axis=-1).astype(np.float32)
+        sc, mn = (part.astype(np.float32) for part in k_scales_mins(block[..., 4:16]))
         # Each 32 bytes of codes hold two sub-blocks: the low nibbles the first, the high nibbles the next.
         qs = block[..., 16:].reshape(rows, cols // SUPER_BLOCK, 4, 1, GROUP_SIZE)
         codes = split_nibbles(qs, axis=3).reshape(rows, cols)
@@ -302,7 +323,7 @@ class Int4Weight:
         """The float32 weights the kernel multiplies by: (q - 8) * scale + zero."""
         codes, scale, zero = self.unpack()
         k = self.in_features
-        expand = (lambda t: t.repeat_interleave(GROUP_SIZE, dim=1)[:, :k])  # noqa: E731
+        expand = (lambda t: t.repeat_interleave(GROUP_SIZE, dim=1)[:, :k])
         return (codes.float() - 8) * expand(scale) + expand(zero)
 
 
@@ -371,6 +392,10 @@ class Q8Weight:
         return grouped.view(codes.shape)
 
 
+Pack = Int4Weight | Q8Weight | Int4DotWeight | Q8DotWeight | KQuantDotWeight  # one matrix's packed form
+FLOAT32_OUT_PACKS = (Int4DotWeight, Q8DotWeight, KQuantDotWeight)  # the int8-dot packs: float32 in and out
+
+
 @dataclass
 class PackedLinear:
     """One projection held as a packed quantized form, optionally with a dense copy for large batches.
@@ -380,7 +405,7 @@ class PackedLinear:
     has none (its kernel serves every batch size).
     """
 
-    packed: Int4Weight | Q8Weight | Int4DotWeight | Q8DotWeight
+    packed: Pack | RowStack
     dense: torch.Tensor | None
     packed_max_rows: int
 
@@ -413,6 +438,54 @@ class PackedLinear:
         return dense_linear(x, self.dense)
 
 
+@dataclass
+class RowStack:
+    """Row blocks of one projection packed in different forms (llama-quantize's Q4_K_M gives some layers'
+    V projection Q6_K beside Q4_K Q and K): each block's kernel runs, and their outputs are concatenated."""
+
+    parts: list[Pack]
+
+    @property
+    def form(self) -> str:
+        return "+".join(part.form for part in self.parts)
+
+    @property
+    def out_features(self) -> int:
+        return sum(part.out_features for part in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> x @ W.T [M, N] float32."""
+        return torch.cat([part.matmul(x) for part in self.parts], dim=1)
+
+
+def pack_fused(parts: list[GGMLTensor], thresholds: PackThresholds = PackThresholds(),
+               dense_dtype: torch.dtype = torch.bfloat16) -> PackedLinear | torch.Tensor | None:
+    """Several projections' rows as one (Q/K/V, gate/up): concatenated blocks where their encodings agree,
+    else a `RowStack` of the int8-dot packs (a dense copy, if kept, of all rows); None where a part has none."""
+    joined = GGMLTensor.concat(parts)
+    if joined is not None:
+        return pack_linear(joined, thresholds, dense_dtype)
+    # Neighbours of one type share a pack (Q and K of Q4_K, V of Q6_K: two kernel calls, not three).
+    runs = [GGMLTensor.concat(list(run)) for _, run in itertools.groupby(parts, key=lambda p: p.tensor_type)]
+    alone = replace(thresholds, keep_dense=False)
+    packs = [pack_linear(run, alone, dense_dtype) if run is not None else None for run in runs]
+    if not all(isinstance(p, PackedLinear) and isinstance(p.packed, FLOAT32_OUT_PACKS) for p in packs):
+        return None
+    stack = RowStack([p.packed for p in packs])  # type: ignore[union-attr,misc]
+    if not thresholds.keep_dense:
+        return PackedLinear(stack, None, 1 << 62)
+    dense = prepack_dense(torch.cat([part.dequantize(dense_dtype) for part in parts]).contiguous())
+    return PackedLinear(stack, dense, thresholds.int4_max_rows)
+
+
 def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = PackThresholds(),
                 dense_dtype: torch.dtype = torch.bfloat16) -> PackedLinear | torch.Tensor:
     """The fastest kept form of one projection: packed int4 / Q8_0 (+ a dense copy in `dense_dtype` for
@@ -424,13 +497,16 @@ def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = 
         # Q4_0 / Q4_1 bytes as they are, and so does the dense copy's C++ unpack (a start's packing ~30% less).
         if not (dot and weight.stores_nibble_pairs):
             q4_codes = weight.q4_codes()
-        packed: Int4Weight | Q8Weight | Int4DotWeight | Q8DotWeight = (
+        packed: Pack = (
             Int4DotWeight.from_q4(weight, q4_codes) if dot else Int4Weight.from_q4(weight, q4_codes))
         max_rows = thresholds.int4_max_rows
     elif isinstance(weight, GGMLTensor) and weight.tensor_type in Q8_EXACT_TYPES:
         weight = weight.as_q8_0()
         packed = Q8DotWeight.from_q8(weight) if dot else Q8Weight.from_q8(weight)
         max_rows = thresholds.q8_max_rows
+    elif isinstance(weight, GGMLTensor) and weight.tensor_type in KQUANT_DOT_TYPES and dot:
+        packed = KQuantDotWeight.from_ggml(weight.tensor_type, weight.blocks, weight.shape)
+        max_rows = thresholds.int4_max_rows
     else:
         return dense_weight(weight, dense_dtype)
     dense = None
@@ -440,7 +516,9 @@ def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = 
         return PackedLinear(packed, prepack_dense(dense_weight(weight, dense_dtype)), 0)
     # No float32 copy of a Q8_0 matrix: the tiled kernel computes the same fp32 product at every row count
     # as fast as oneDNN's fp32 GEMM (BENCHMARKS.md), and the copy was 4x the codes (113 MB for the head).
-    if thresholds.keep_dense and not (isinstance(packed, (Q8Weight, Q8DotWeight)) and dense_dtype == torch.float32):
+    # Likewise none of a K-quant (the LM head of a Q4_K_M file: a float32 copy was 1 GB at Llama 3.2 1B's shape).
+    if thresholds.keep_dense and not (isinstance(packed, (Q8Weight, Q8DotWeight, KQuantDotWeight))
+                                      and dense_dtype == torch.float32):
         dense = prepack_dense(weight.dequantize(dense_dtype, q4_codes).contiguous())
     return PackedLinear(packed, dense, max_rows)
 
@@ -479,7 +557,7 @@ def dense_weight(weight: GGMLTensor | torch.Tensor, dtype: torch.dtype) -> torch
 class QuantizedEmbedding:
     """Token embedding rows looked up from Q8_0 codes (exact: an int8 code times an fp16 scale fits fp32)."""
 
-    def __init__(self, weight: Q8Weight | Q8DotWeight) -> None:
+    def __init__(self, weight: Q8Weight | Q8DotWeight | KQuantDotWeight) -> None:
         self.weight = weight  # shared with a tied LM head: one copy of the codes serves both
         self.shape = (weight.out_features, weight.in_features)
 
@@ -489,6 +567,8 @@ class QuantizedEmbedding:
             raise ValueError(f"QuantizedEmbedding looks up rows (dim 0), not dim {dim}")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape[0]):
             raise IndexError(f"token ids must lie in [0, {self.shape[0]}), got {ids.min()}..{ids.max()}")
+        if isinstance(self.weight, KQuantDotWeight):
+            return self.weight.rows(ids)
         codes, scales = self.weight.rows(ids)
         rows = codes.float().view(len(ids), -1, GROUP_SIZE) * scales.unsqueeze(-1)
         return rows.view(len(ids), self.shape[1])

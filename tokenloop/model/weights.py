@@ -17,9 +17,19 @@ import torch
 
 from tokenloop.errors import ModelLoadError
 from tokenloop.model.int8_dot import Q8DotWeight
+from tokenloop.model.kquant_dot import KQuantDotWeight
 from tokenloop.model.layers.linear import Weight
-from tokenloop.model.quantized import (GGMLTensor, PackedLinear, PackThresholds, Q8Weight, QType,
-                                       QuantizedEmbedding, dense_weight, pack_linear)
+from tokenloop.model.quantized import (
+    GGMLTensor,
+    PackedLinear,
+    PackThresholds,
+    Q8Weight,
+    QType,
+    QuantizedEmbedding,
+    dense_weight,
+    pack_fused,
+    pack_linear,
+)
 
 # Tensors with no HF counterpart (llama.cpp's precomputed rotary factors) keep their GGUF base name.
 _GGUF_ONLY = (gguf.MODEL_TENSOR.ROPE_FREQS, gguf.MODEL_TENSOR.ROPE_FACTORS_LONG,
@@ -62,6 +72,10 @@ class WeightSource:
     quantized: bool = False
     thresholds: PackThresholds = field(default_factory=PackThresholds)
     dense_copy_dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        if self.quantized:  # dense copies for large batches only where the model is small enough to afford them
+            self.thresholds = self.thresholds.for_model(self.weights.values(), self.dense_copy_dtype)
 
     def has(self, name: str) -> bool:
         return name in self.weights
@@ -108,9 +122,9 @@ class WeightSource:
               thresholds: PackThresholds) -> Weight:
         """Matrices stacked by rows into one projection, packed when all are quantized blocks."""
         if self.quantized and all(isinstance(p, GGMLTensor) for p in parts):
-            joined = GGMLTensor.concat(parts)  # type: ignore[arg-type]
-            if joined is not None:
-                return pack_linear(joined, thresholds, dense_dtype=self.dense_copy_dtype)
+            fused = pack_fused(parts, thresholds, self.dense_copy_dtype)  # type: ignore[arg-type]
+            if fused is not None:
+                return fused
         return torch.cat([dense_weight(p, as_dtype).to(self.device) for p in parts], dim=0).contiguous()
 
     def embedding_and_head(self, embed_name: str, head_name: str, tied: bool,
@@ -129,7 +143,8 @@ class WeightSource:
         embed: torch.Tensor | QuantizedEmbedding
         fp32 = self.dtype == torch.float32  # the quantized lookup yields fp32 rows
         if fp32 and tied and isinstance(lm_head, PackedLinear) and isinstance(lm_head.packed,
-                                                                              (Q8Weight, Q8DotWeight)):
+                                                                              (Q8Weight, Q8DotWeight,
+                                                                               KQuantDotWeight)):
             embed = QuantizedEmbedding(lm_head.packed)
         elif fp32 and self.quantized and isinstance(embed_raw, GGMLTensor) and embed_raw.tensor_type == QType.Q8_0:
             embed = QuantizedEmbedding(Q8Weight.from_q8(embed_raw))  # rows dequantized at lookup: exact

@@ -47,6 +47,8 @@ void int4_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const t
                      torch::Tensor& out);
 void q8_0_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                      torch::Tensor& out);
+void kquant_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                       torch::Tensor& out, int64_t kind);
 bool int8_dot_native();
 // fused_layer_ops.cpp
 void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps,

@@ -61,6 +61,8 @@ struct Activations {
   std::vector<float> scales;      // [rows][groups][2]: dx, dx / 254
   std::vector<float> sums;        // [rows][groups]: the block's float sum of x (Q4's m term)
   std::vector<int32_t> offsets;   // [rows][groups][2]: -128 * each code row's sum (Q8_0's correction)
+  std::vector<int32_t> half_sums; // [rows][groups][2][2]: each code row's sums over values 0-15 and 16-31
+                                  // (Q6_K's -32 offset per 16 values); empty unless asked for
 };
 
 struct Block {  // one block's slots in Activations
@@ -68,6 +70,7 @@ struct Block {  // one block's slots in Activations
   float* scales;
   float& sum;
   int32_t* offsets;
+  int32_t* half_sums;  // nullptr: not wanted
 };
 
 void quantize_block(const float* x, int64_t valid, Block out) {
@@ -94,6 +97,14 @@ void quantize_block(const float* x, int64_t valid, Block out) {
   out.sum = total;
   out.offsets[0] = -128 * sums[0];
   out.offsets[1] = -128 * sums[1];
+  if (out.half_sums != nullptr) {
+    for (int p = 0; p < kPasses; ++p) {
+      int32_t first = 0;
+      for (int64_t i = 0; i < kGroup / 2; ++i) first += out.codes[p * kGroup + i];
+      out.half_sums[2 * p] = first;
+      out.half_sums[2 * p + 1] = sums[p] - first;
+    }
+  }
 }
 
 #ifdef TOKENLOOP_VNNI
@@ -115,6 +126,10 @@ void quantize_full_block(const float* x, Block out) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out.codes + kGroup + 16 * h), _mm512_cvtsepi32_epi8(r));
     sums[0] = _mm512_add_epi32(sums[0], q);
     sums[1] = _mm512_add_epi32(sums[1], r);
+    if (out.half_sums != nullptr) {  // h is the block's half: values 16h..16h+15
+      out.half_sums[h] = _mm512_reduce_add_epi32(q);
+      out.half_sums[2 + h] = _mm512_reduce_add_epi32(r);
+    }
   }
   out.scales[0] = scale;
   out.scales[1] = scale / kRemainderSteps;
@@ -177,6 +192,12 @@ void quantize_full_block(const float* x, Block out) {
   }
   store_codes(q, out.codes);
   store_codes(r, out.codes + kGroup);
+  if (out.half_sums != nullptr) {  // q[0], q[1] hold values 0-15, q[2], q[3] values 16-31
+    out.half_sums[0] = horizontal_sum(_mm256_add_epi32(q[0], q[1]));
+    out.half_sums[1] = horizontal_sum(_mm256_add_epi32(q[2], q[3]));
+    out.half_sums[2] = horizontal_sum(_mm256_add_epi32(r[0], r[1]));
+    out.half_sums[3] = horizontal_sum(_mm256_add_epi32(r[2], r[3]));
+  }
   out.scales[0] = scale;
   out.scales[1] = scale / kRemainderSteps;
   out.sum = horizontal_sum(total);
@@ -185,7 +206,7 @@ void quantize_full_block(const float* x, Block out) {
 }
 #endif
 
-Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_t groups) {
+Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_t groups, bool half_sums = false) {
   Activations a;
   a.rows = rows;
   a.groups = groups;
@@ -193,12 +214,14 @@ Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_
   a.scales.resize(rows * groups * kPasses);
   a.sums.resize(rows * groups);
   a.offsets.resize(rows * groups * kPasses);
+  if (half_sums) a.half_sums.resize(rows * groups * kPasses * 2);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t begin = g * kGroup, valid = std::max<int64_t>(0, std::min(kGroup, k - begin));
       const int64_t at = r * groups + g;
       const Block block{a.codes.data() + at * kPasses * kGroup, a.scales.data() + at * kPasses, a.sums[at],
-                        a.offsets.data() + at * kPasses};
+                        a.offsets.data() + at * kPasses,
+                        half_sums ? a.half_sums.data() + at * kPasses * 2 : nullptr};
 #ifdef TOKENLOOP_DOT_SIMD
       if (valid == kGroup) {
         quantize_full_block(x + r * k + begin, block);
@@ -663,6 +686,8 @@ void run(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor
   dot_matmul<Q4>(a, w, out.data_ptr<float>(), out.size(1));
 }
 
+#include "kquant_dot_blocks.inc"  // Q5_K and Q6_K: the same activations, tiles and stores
+
 }  // namespace
 
 // x [M, K] float32; codes [ceil(N/16), ceil(K/32), 256] uint8; scales [ceil(N/16), ceil(K/32), 2, 16] float16
@@ -679,6 +704,13 @@ void q8_0_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const t
                      torch::Tensor& out) {
   check_operands("q8_0_dot_matmul", x, codes, scales, out, kQ8Bytes, 3);
   run<false>(x, codes, scales, out);
+}
+
+// x [M, K] float32 (K a multiple of 256); codes [ceil(N/16), K/32, bytes] uint8 and scales [ceil(N/16), K/256,
+// S, 16] float16 in the layout of kquant_dot_blocks.inc; `kind` 5 (Q5_K) or 6 (Q6_K); out [M, N] float32.
+void kquant_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
+                       torch::Tensor& out, int64_t kind) {
+  run_kquant(x, codes, scales, out, kind);
 }
 
 bool int8_dot_native() {
