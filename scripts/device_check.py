@@ -115,13 +115,6 @@ def random_weights(config: ModelConfig, device: str, dtype: torch.dtype, seed: i
     return weights
 
 
-@dataclass(frozen=True)
-class _IdsOnly:
-    """The engine core reads only the EOS id from a tokenizer: token ids in, token ids out."""
-
-    eos_token_id: int | None = None
-
-
 def _synchronize(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -179,7 +172,7 @@ def run_scenario(checkpoint: Checkpoint, device: str, options: dict[str, Any], w
 def check_parity(device: str, quick: bool) -> list[dict[str, Any]]:
     config = _config(512, 128, 256, 2, 4, 2, 32, False)
     checkpoint = Checkpoint("random-tiny", Path("."), config, random_weights(config, "cpu", torch.float32, 1),
-                            _IdsOnly())  # type: ignore[arg-type]
+                            None)  # type: ignore[arg-type]  # no tokenizer: token ids in, token ids out
     max_tokens = 8 if quick else 16
     rows = []
     for name, (options, waves) in _scenarios(quick).items():
@@ -335,7 +328,7 @@ def engine_run(device: str, quick: bool, out: Path) -> dict[str, Any]:
     shape = model_shapes(quick)[0]
     dtype = "float32" if device == "cpu" else "bfloat16"
     weights = random_weights(shape.config, "cpu", torch.float32, seed=4)
-    checkpoint = Checkpoint(shape.name, Path("."), shape.config, weights, _IdsOnly())  # type: ignore[arg-type]
+    checkpoint = Checkpoint(shape.name, Path("."), shape.config, weights, None)  # type: ignore[arg-type]
     batches = [1, 4] if quick else [1, 8, 32, 128]
     contexts = [16, 48] if quick else [128, 1024]
     decode_tokens = 4 if quick else 32

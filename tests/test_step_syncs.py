@@ -34,7 +34,7 @@ def meta_core(tiny) -> EngineCore:
 
 
 class DeviceReads:
-    """Counts `.tolist()` of meta tensors (returning zeros); every other read of one fails by itself."""
+    """Counts `.tolist()` of meta tensors (answering 5s); every other read of one fails by itself."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.tolist = 0
@@ -44,7 +44,8 @@ class DeviceReads:
             if tensor.device.type != "meta":
                 return original(tensor)
             self.tolist += 1
-            return torch.zeros(tensor.shape, dtype=tensor.dtype).tolist()
+            # Answers 5: an id that ends no request (the tiny model's generation_config makes 0 and 2 eos).
+            return torch.full(tensor.shape, 5, dtype=tensor.dtype).tolist()
 
         monkeypatch.setattr(torch.Tensor, "tolist", tolist)
 

@@ -130,7 +130,10 @@ class EngineCore:
         model_config = checkpoint.config
         # Every end-of-generation id stops a request: eos, and eot / generation_config's others (Gemma's
         # <end_of_turn>, Llama 3's <|eot_id|>).
-        self.vocab_size, self.eos_token_ids = model_config.vocab_size, checkpoint.tokenizer.eos_token_ids
+        # (A checkpoint of random weights may come without a tokenizer: token ids in, token ids out.)
+        tokenizer = checkpoint.tokenizer
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         model_len = model_config.max_position_embeddings
         self.dtype_choice = resolve_dtype(config.dtype, config.weight_dtype, config.device,
                                           checkpoint.is_quantized, CpuFeatures.detect(), config.kv_cache_dtype)
