@@ -14,8 +14,8 @@ from tokenloop.model import quantized
 from tokenloop.model.attention import AttentionMetadata, write_kv
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.layers.rotary import apply_rope
-from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.quantized import PackThresholds, QType
 
 kernels = paged_decode_kernels()

@@ -10,8 +10,8 @@ import torch
 
 from tests.conftest import requires_default_model, write_tiny_llama
 from tests.model.paged_harness import PagedHarness, Sequence
-from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
+from tokenloop.model.models.llama import LlamaModel
 
 
 def _hf_last_logits(hf, token_ids: list[int]) -> torch.Tensor:

@@ -17,12 +17,10 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
-from tests.conftest import write_tiny_llama
 from tokenloop.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 from tokenloop.model import loader
 from tokenloop.model.gguf_file import GGUFFile
 from tokenloop.model.loader import load_checkpoint
-
 
 # HF model_type -> the GGUF general.architecture llama.cpp's converter writes, where they differ.
 _GGUF_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}

@@ -10,8 +10,8 @@ from tests.model.paged_harness import PagedHarness, Sequence
 from tokenloop.bench.datasets import AGREEMENT_PROMPTS
 from tokenloop.model.attention import AttentionMetadata
 from tokenloop.model.int8_dot import int8_dot_available
-from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.loader import load_checkpoint
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.quantized import PackedLinear, PackThresholds
 
 pytestmark = [requires_default_model, pytest.mark.real_model]

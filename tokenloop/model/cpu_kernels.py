@@ -160,7 +160,7 @@ class _KernelLoader:
             return None
         try:
             return build_kernels()
-        except Exception as exc:  # no compiler, no ninja, headers missing: fall back, loudly once
+        except Exception as exc:  # noqa: BLE001 - no compiler, no ninja, headers missing: fall back, loudly once
             logger.warning("C++ CPU kernels unavailable (%s); using the PyTorch attention path", exc)
             return None
 
@@ -177,7 +177,7 @@ def main() -> None:
     """`make install`: build now, so that no server start waits for the compiler."""
     try:
         build_kernels()
-    except Exception as exc:  # the PyTorch path still works; say why the fast one is missing
+    except Exception as exc:  # noqa: BLE001 - the PyTorch path still works; say why the fast one is missing
         print(f"C++ CPU kernels not built ({exc}); tokenloop will use the PyTorch fallbacks")
         return
     print(f"C++ CPU kernels built in {kernel_build_dir()} (-march={kernel_march()})")

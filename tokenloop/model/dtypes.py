@@ -16,7 +16,7 @@ activations). Decode attention streams every cached K/V row each step (46 KB a t
 model: at 32 streams of ~200 tokens more bytes than the Q4 weights); bf16 halves them, and the kernel widens
 each row to fp32 as it loads it (a 16-bit shift: no bf16 arithmetic, so native bf16 is not needed), so the
 sums stay fp32. Measured on an AVX2-only EPYC (BENCHMARKS.md, issue 11, "A bfloat16 KV cache") and on an
-AVX-512 one (decode at 8 and 32 rows +40% and +26%; BENCHMARKS.md, "Side by side again on an AVX-512 machine"). Teacher-forced top-1
+AVX-512 one (BENCHMARKS.md, "Side by side again on an AVX-512 machine"). Teacher-forced top-1
 agreement with the fp32 model stays >= 98% (tests/model/test_quantized_real_model.py). An explicit `dtype`
 (float32 for the HF parity tests) keeps the KV cache in that dtype; `float32` / `bfloat16` force it.
 

@@ -133,7 +133,8 @@ class GGUFFile:
             try:
                 tensor_type = GGMLQuantizationType(type_id)
             except ValueError:
-                raise UnsupportedModelError(f"{self.path}: tensor {name!r} has unknown GGML type id {type_id}")
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {name!r} has unknown GGML type id {type_id}") from None
             block_elems, block_bytes = GGML_QUANT_SIZES[tensor_type]
             num_elements = int(np.prod(dims)) if dims else 1
             if num_elements % block_elems:

@@ -144,11 +144,11 @@ def _check_peft_settings(config_file: Path, settings: dict) -> None:
 
 
 def _read_gguf(file: Path, config: ModelConfig) -> tuple[int, float, Tensors]:
+    from tokenloop.errors import ModelLoadError
     from tokenloop.model import registry
     from tokenloop.model.gguf_file import GGUFFile
     from tokenloop.model.loader import rope_row_order
     from tokenloop.model.weights import gguf_to_hf_names
-    from tokenloop.errors import ModelLoadError
 
     try:
         gguf = GGUFFile(file)

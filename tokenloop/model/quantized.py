@@ -323,7 +323,10 @@ class Int4Weight:
         """The float32 weights the kernel multiplies by: (q - 8) * scale + zero."""
         codes, scale, zero = self.unpack()
         k = self.in_features
-        expand = (lambda t: t.repeat_interleave(GROUP_SIZE, dim=1)[:, :k])
+
+        def expand(t: torch.Tensor) -> torch.Tensor:
+            return t.repeat_interleave(GROUP_SIZE, dim=1)[:, :k]
+
         return (codes.float() - 8) * expand(scale) + expand(zero)
 
 

@@ -27,8 +27,8 @@ from tokenloop.model.layers.linear import LMHead, Weight, linear
 from tokenloop.model.layers.mlp import Adapt, gated_mlp
 from tokenloop.model.layers.norm import head_rms_norm_, rms_norm
 from tokenloop.model.layers.rotary import RotaryTables, apply_rope, longrope_frequencies, rope_inverse_frequencies
-from tokenloop.model.quantized import PackedLinear, PackThresholds, QuantizedEmbedding
 from tokenloop.model.lora_slots import LoRABatch
+from tokenloop.model.quantized import PackedLinear, PackThresholds, QuantizedEmbedding
 from tokenloop.model.weights import WeightSource
 
 
