@@ -8,7 +8,6 @@ import json
 import pickle
 import random
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -225,12 +224,9 @@ CONVERSATIONS = [
 
 # -- GGUF construction ------------------------------------------------------------------------------
 @needs_smollm2
-def test_smollm2_build_is_fast(smollm2_metadata: dict[str, Any]) -> None:
-    start = time.perf_counter()
+def test_smollm2_builds_from_the_file_metadata(smollm2_metadata: dict[str, Any]) -> None:
+    # Its speed is not asserted here (a timed test fails on a slower or busier machine): it is a benchmark's.
     tokenizer = Tokenizer.from_gguf(smollm2_metadata, SMOLLM2_FILE)
-    elapsed = time.perf_counter() - start
-    print(f"Tokenizer.from_gguf(SmolLM2 metadata): {elapsed * 1000:.0f} ms")
-    assert elapsed < 1.0
     assert tokenizer.vocab_size == 49152
 
 
