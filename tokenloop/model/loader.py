@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # torch and the packed forms are imported by the loaders that
     # model or reading its config (the server's front end, the CLI) stays free of torch's ~1.5 s import
     import torch
 
-    from tokenloop.model.quantized import GGMLTensor
+    from tokenloop.model.ggml_tensor import GGMLTensor
     from tokenloop.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Checkpoint:
     @property
     def is_quantized(self) -> bool:
         """Whether some weights are held in a quantized ggml encoding."""
-        from tokenloop.model.quantized import GGMLTensor
+        from tokenloop.model.ggml_tensor import GGMLTensor
 
         return any(isinstance(w, GGMLTensor) and w.tensor_type not in _FLOAT_TYPES
                    for w in self.weights.values())
@@ -241,7 +241,7 @@ def _load_gguf(path: Path, keep_quantized: bool = False,
                ) -> tuple[ModelConfig, dict[str, torch.Tensor | GGMLTensor], Tokenizer]:
     import torch
 
-    from tokenloop.model.quantized import GGMLTensor
+    from tokenloop.model.ggml_tensor import GGMLTensor
     from tokenloop.model.weights import gguf_to_hf_names
 
     gguf = GGUFFile(path)

@@ -16,15 +16,14 @@ import gguf
 import torch
 
 from tokenloop.errors import ModelLoadError
+from tokenloop.model.ggml_tensor import GGMLTensor, QType
 from tokenloop.model.int8_dot import Q8DotWeight
 from tokenloop.model.kquant_dot import KQuantDotWeight
 from tokenloop.model.layers.linear import Weight
 from tokenloop.model.quantized import (
-    GGMLTensor,
     PackedLinear,
     PackThresholds,
     Q8Weight,
-    QType,
     QuantizedEmbedding,
     dense_weight,
     pack_fused,
