@@ -208,14 +208,14 @@ def paged_attention(
     output = torch.empty_like(query)
 
     if meta.decode is not None and meta.decode.kernel is not None:
-        d = meta.decode
+        d, kernel = meta.decode, meta.decode.kernel
         if d.token_index.shape[0] == num_tokens:  # a pure decode step: the rows are the batch, in order
-            d.kernel.paged_decode_attention(query.contiguous(), key_cache, value_cache, d.block_table, d.seq_lens,
-                                            scale, output)
+            kernel.paged_decode_attention(query.contiguous(), key_cache, value_cache, d.block_table, d.seq_lens,
+                                          scale, output)
         else:
             q = query.index_select(0, d.token_index)
             attended = torch.empty_like(q)
-            d.kernel.paged_decode_attention(q, key_cache, value_cache, d.block_table, d.seq_lens, scale, attended)
+            kernel.paged_decode_attention(q, key_cache, value_cache, d.block_table, d.seq_lens, scale, attended)
             output.index_copy_(0, d.token_index, attended)
     elif meta.decode is not None:
         d = meta.decode

@@ -80,16 +80,16 @@ class GGMLTensor:
         `q4_codes()`, when the caller has them already."""
         if self.tensor_type in INT4_TYPES + (QType.Q8_0,):  # torch is ~10x faster than gguf's numpy
             rows, cols = self.shape
+            kernels = paged_decode_kernels()
             if self.tensor_type == QType.Q8_0:
                 codes, d = self.q8_codes()
                 m = None
                 grouped = torch.from_numpy(codes).view(rows, -1, GROUP_SIZE).float()
-            elif (q4_codes is None and self.stores_nibble_pairs and paged_decode_kernels() is not None
+            elif (q4_codes is None and self.stores_nibble_pairs and kernels is not None
                   and dtype in (torch.float32, torch.bfloat16)):  # one C++ pass from the file's bytes, not five
                 nibbles, d, m = self.q4_nibbles()
                 out = torch.empty(self.shape, dtype=dtype)
-                paged_decode_kernels().q4_unpack(torch.from_numpy(nibbles), torch.from_numpy(d),
-                                                 torch.from_numpy(m), out)
+                kernels.q4_unpack(torch.from_numpy(nibbles), torch.from_numpy(d), torch.from_numpy(m), out)
                 return out
             else:
                 codes, d, m = q4_codes if q4_codes is not None else self.q4_codes()

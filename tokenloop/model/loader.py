@@ -175,7 +175,7 @@ def _gguf_config(gguf: GGUFFile) -> ModelConfig:
     if not window:
         sliding = [False] * num_layers
     elif isinstance(pattern, (int, np.integer)):
-        sliding = [pattern > 0 and i % pattern < pattern - 1 for i in range(num_layers)]
+        sliding = [bool(pattern > 0 and i % pattern < pattern - 1) for i in range(num_layers)]
     else:
         sliding = [bool(flag) for flag in pattern]
     # An attention scale other than head_dim ** -0.5 where the file states one (llama.cpp's Gemma 3 loader

@@ -120,8 +120,9 @@ class WeightSource:
     def _join(self, parts: list[torch.Tensor | GGMLTensor], as_dtype: torch.dtype,
               thresholds: PackThresholds) -> Weight:
         """Matrices stacked by rows into one projection, packed when all are quantized blocks."""
-        if self.quantized and all(isinstance(p, GGMLTensor) for p in parts):
-            fused = pack_fused(parts, thresholds, self.dense_copy_dtype)  # type: ignore[arg-type]
+        blocks = [p for p in parts if isinstance(p, GGMLTensor)]
+        if self.quantized and len(blocks) == len(parts):
+            fused = pack_fused(blocks, thresholds, self.dense_copy_dtype)
             if fused is not None:
                 return fused
         return torch.cat([dense_weight(p, as_dtype).to(self.device) for p in parts], dim=0).contiguous()
