@@ -29,6 +29,9 @@ Small batches are bandwidth-bound and want the fewest bytes; large ones are comp
 on dense bf16 (measured: BENCHMARKS.md), so a `PackedLinear` may also hold a bf16 copy and picks per call.
 A Q8_0 matrix never gets a float32 copy: where the output must stay fp32 (the logits), the Q8_0 kernel
 serves every batch size itself.
+
+Long module: the packed forms and `PackedLinear`, which picks among them per call, change together (each
+form's kernel call, its dense copy, its thresholds); the file's own tensor is `ggml_tensor.py`.
 """
 
 from __future__ import annotations

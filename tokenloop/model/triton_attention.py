@@ -24,6 +24,7 @@ import triton.language as tl
 _MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows and columns
 
 
+# long: one Triton program (a kernel cannot call Python helpers); its tiles' loop reads as one piece.
 @triton.jit
 def _paged_attention_kernel(
     query, key_cache, value_cache, out,
