@@ -200,11 +200,11 @@ class ModelRunner:
         """The form the last step's projections ran in (int4 / q8_0 for small batches, bf16 for large)."""
         return self.model.last_weight_form
 
+    # long: it is the step's hot path, and its arrays are built once each.
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """One batched forward over the step's rows: their tokens, positions and slots per KV group as host
         arrays (numpy, no per-token Python), sent to the device once; the logits of the rows that sample."""
-        # Kept as one function past ~60 lines: it is the step's hot path, and its arrays are built once each.
         block_size = self.block_size
         scheduled = output.scheduled
         tables = self.tables

@@ -14,7 +14,8 @@ import pytest
 from tests.bench.conftest import crafted
 from tokenloop.bench.cli import add_bench_subparser, main, run_policies_command
 from tokenloop.bench.policies import PolicyBenchConfig, parse_base_urls, parse_step_cost, run_policy_benchmark
-from tokenloop.bench.replay import ReplayRecord, ReplayRun, StepCost, VirtualClock, replay_engine, replay_hf_static
+from tokenloop.bench.replay import ReplayRecord, ReplayRun, StepCost, VirtualClock, replay_engine
+from tokenloop.bench.replay_hf import replay_hf_static
 from tokenloop.bench.report import render_html, summarize_run
 from tokenloop.bench.trace import TraceRequest, dumps_trace
 from tokenloop.engine import LLMEngine
@@ -135,7 +136,7 @@ def test_refused_request_is_a_failure_not_a_crash(tiny_checkpoint: Checkpoint) -
 
 
 def test_hf_baseline_batches_statically(tiny_checkpoint: Checkpoint, tiny_model_dir: Path) -> None:
-    from tokenloop.bench.replay import load_hf_model
+    from tokenloop.bench.replay_hf import load_hf_model
 
     trace = [crafted(0, 0.0, max_tokens=6), crafted(1, 0.0, max_tokens=2), crafted(2, 0.001, max_tokens=3)]
     run = replay_hf_static(trace, load_hf_model(str(tiny_model_dir)), tiny_checkpoint.tokenizer, batch_size=2,
@@ -169,20 +170,20 @@ def test_report_is_self_contained_with_a_plot_per_section(tiny_checkpoint: Check
 
 
 def test_report_of_a_long_run_keeps_a_bounded_gantt_and_cdf() -> None:
-    from tokenloop.bench import report
+    from tokenloop.bench import charts
 
     records = [ReplayRecord(id=f"r{i}", arrival_s=i * 1e-3, prompt_len=4, max_tokens=2,
                             first_scheduled_s=i * 1e-3, first_token_s=i * 1e-3 + 0.01, last_token_s=i * 1e-3 + 0.02,
                             finished_s=i * 1e-3 + 0.02, output_len=2, finish_reason="length")
-               for i in range(3 * report.MAX_GANTT_REQUESTS + 1)]
+               for i in range(3 * charts.MAX_GANTT_REQUESTS + 1)]
     run = ReplayRun(label="long", kind="engine", records=records)
-    gantt = report.gantt_chart(run)
+    gantt = charts.gantt_chart(run)
     rows = gantt.count("<title>r") / 3  # queue, prefill, decode bars per request drawn
-    assert report.MAX_GANTT_REQUESTS / 2 <= rows <= report.MAX_GANTT_REQUESTS and "<title>r0 queue" in gantt
-    values = [float(i) for i in range(10 * report.MAX_CDF_POINTS + 7)]
-    xs, ys = report._cdf(values)
-    assert len(xs) == report.MAX_CDF_POINTS and xs[0] == 0.0 and xs[-1] == values[-1] and ys[-1] == 1.0
-    assert report._cdf([3.0, 1.0, 2.0]) == ([1.0, 2.0, 3.0], [1 / 3, 2 / 3, 1.0])  # short: every point
+    assert charts.MAX_GANTT_REQUESTS / 2 <= rows <= charts.MAX_GANTT_REQUESTS and "<title>r0 queue" in gantt
+    values = [float(i) for i in range(10 * charts.MAX_CDF_POINTS + 7)]
+    xs, ys = charts.cdf(values)
+    assert len(xs) == charts.MAX_CDF_POINTS and xs[0] == 0.0 and xs[-1] == values[-1] and ys[-1] == 1.0
+    assert charts.cdf([3.0, 1.0, 2.0]) == ([1.0, 2.0, 3.0], [1 / 3, 2 / 3, 1.0])  # short: every point
 
 
 def test_policies_command_prints_table_and_writes_outputs(tiny_model_dir: Path, tmp_path: Path,

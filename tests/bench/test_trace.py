@@ -10,18 +10,15 @@ from pathlib import Path
 import pytest
 
 from tokenloop.bench.cli import main
+from tokenloop.bench.sharegpt import DatasetUnavailableError, iter_json_array, sharegpt_conversations, sharegpt_prompts
 from tokenloop.bench.trace import (
-    DatasetUnavailableError,
     OverloadPhase,
     TraceConfig,
     TraceFormatError,
     dumps_trace,
-    iter_json_array,
     load_trace,
     make_trace,
     parse_trace,
-    sharegpt_conversations,
-    sharegpt_prompts,
 )
 
 SMALL = dict(num_requests=60, duration_s=10.0, prompt_len_median=20, max_prompt_len=200, output_len_median=8,

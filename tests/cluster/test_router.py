@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import TINY_PROMPTS
-from tokenloop.cluster.load import DEFAULT_STEP_COSTS, LoadTracker, ReplicaLoad, StepCostFit, StepCosts
+from tokenloop.cluster.load import LoadTracker, ReplicaLoad
 from tokenloop.cluster.router import (
     ROUTERS,
     CostRouter,
@@ -22,6 +22,7 @@ from tokenloop.cluster.router import (
     predicted_ttft_s,
     prompt_block_hashes,
 )
+from tokenloop.cluster.step_costs import DEFAULT_STEP_COSTS, StepCostFit, StepCosts
 from tokenloop.core.engine_core import EngineCore
 from tokenloop.core.kv_events import KVIndexMirror
 from tokenloop.core.messages import CoreRequest

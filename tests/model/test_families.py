@@ -248,10 +248,10 @@ def test_gemma3_configs_of_every_vintage(tmp_path: Path) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
+    from tokenloop.model.checkpoint_config import gguf_config
     from tokenloop.model.gguf_file import GGUFFile
-    from tokenloop.model.loader import _gguf_config
 
-    config = _gguf_config(GGUFFile(tmp_path / "bare.gguf"))
+    config = gguf_config(GGUFFile(tmp_path / "bare.gguf"))
     assert config.layer_types == expected
     assert (config.rope_theta, config.rope_local_theta, config.sliding_window) == (1e6, 10000.0, 8)
     assert config.query_pre_attn_scalar == 0.0  # head_dim

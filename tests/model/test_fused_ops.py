@@ -13,10 +13,11 @@ from tests.model.test_loader import write_tiny_gguf
 from tokenloop.model import quantized
 from tokenloop.model.attention import AttentionMetadata, write_kv
 from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.ggml_tensor import QType
 from tokenloop.model.layers.rotary import apply_rope
 from tokenloop.model.loader import load_checkpoint
 from tokenloop.model.models.llama import LlamaModel
-from tokenloop.model.quantized import PackThresholds, QType
+from tokenloop.model.quantized import PackThresholds
 
 kernels = paged_decode_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not hasattr(kernels, "add_rms_norm"),

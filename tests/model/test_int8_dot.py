@@ -12,6 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.ggml_tensor import GGMLTensor
 from tokenloop.model.int8_dot import (
     Int4DotWeight,
     Q8DotWeight,
@@ -19,7 +20,6 @@ from tokenloop.model.int8_dot import (
     quantize_activations,
 )
 from tokenloop.model.quantized import (
-    GGMLTensor,
     PackedLinear,
     PackThresholds,
     QuantizedEmbedding,

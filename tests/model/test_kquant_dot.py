@@ -19,11 +19,11 @@ from tests.model.paged_harness import PagedHarness, Sequence
 from tests.model.test_int8_dot import _check_product
 from tokenloop.config import ModelConfig
 from tokenloop.model import cpu_kernels
+from tokenloop.model.ggml_tensor import GGMLTensor
 from tokenloop.model.int8_dot import int8_dot_available
 from tokenloop.model.kquant_dot import KQuantDotWeight
 from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.quantized import (
-    GGMLTensor,
     PackedLinear,
     PackThresholds,
     QuantizedEmbedding,

@@ -16,10 +16,10 @@ from tests.model.paged_harness import PagedHarness, Sequence
 from tests.model.test_loader import write_tiny_gguf
 from tokenloop.model import quantized
 from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.ggml_tensor import GGMLTensor
 from tokenloop.model.loader import load_checkpoint
 from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.quantized import (
-    GGMLTensor,
     Int4Weight,
     PackedLinear,
     PackThresholds,

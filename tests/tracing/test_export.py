@@ -13,8 +13,9 @@ from tests.tracing.conftest import PROMPTS, make_engine, run_to_end
 from tokenloop.engine import LLMEngine
 from tokenloop.model.loader import Checkpoint
 from tokenloop.observe.exports import request_timeline
+from tokenloop.observe.records import Stage
 from tokenloop.observe.tracer import Tracer
-from tokenloop.request import SamplingParams
+from tokenloop.request import RequestStatus, SamplingParams
 
 SEED = json.loads((Path(__file__).parent / "data" / "serving_loop_seed.json").read_text())
 
@@ -120,6 +121,10 @@ def test_timeline_tiles_the_lifetime(traced_run) -> None:
         for a, b in zip(segments, segments[1:]):
             assert a.end_ns == b.start_ns
         assert all(s.duration_ns >= 0 for s in segments), [(s.kind, s.duration_ns) for s in segments]
+        # One spelling: a stage of the loop, or where the request was between its steps.
+        assert segments[0].kind is RequestStatus.WAITING and segments[-1].kind is Stage.RELEASE
+        assert {s.kind for s in segments} <= set(Stage) | {RequestStatus.RUNNING, RequestStatus.PREEMPTED,
+                                                           RequestStatus.WAITING}
 
 
 def check_chrome_trace(doc: dict[str, Any]) -> dict[int, str]:

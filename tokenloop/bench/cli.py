@@ -8,6 +8,9 @@
 
 `add_bench_subparser(subparsers)` hangs these under a parent command line's subparsers; `main()` is the
 same commands standalone (`python -m tokenloop.bench ...`).
+
+Long module: the `bench` command line, one section per sub-command (its arguments and its runner),
+sharing the argument helpers and the wiring at the end; each section is short and holds no state.
 """
 
 from __future__ import annotations
@@ -225,7 +228,8 @@ def _add_make_trace_args(parser: argparse.ArgumentParser) -> None:
 
 def run_make_trace_command(args: argparse.Namespace) -> int:
     """`bench make-trace`: write a reproducible trace and describe it."""
-    from tokenloop.bench.trace import TraceConfig, dumps_trace, make_session_trace, make_sharegpt_trace, make_trace
+    from tokenloop.bench.sharegpt import make_sharegpt_trace
+    from tokenloop.bench.trace import TraceConfig, dumps_trace, make_session_trace, make_trace
 
     try:
         config = TraceConfig(

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenloop.bench.trace import TraceConfig, TraceRequest, load_trace, sharegpt_conversations, sharegpt_prompts
+from tokenloop.bench.sharegpt import sharegpt_conversations, sharegpt_prompts
+from tokenloop.bench.trace import TraceConfig, TraceRequest, load_trace
 
 if TYPE_CHECKING:
     from tokenloop.tokenizer import Tokenizer

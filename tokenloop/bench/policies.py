@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenloop.bench.replay import ReplayRecord, ReplayRun, StepCost, replay_engine, replay_hf_static, warm_up_engine
+from tokenloop.bench.replay import ReplayRecord, ReplayRun, StepCost, replay_engine, warm_up_engine
+from tokenloop.bench.replay_hf import replay_hf_static
 from tokenloop.bench.report import RunSummary, format_table, summarize_run, write_html
 from tokenloop.bench.serve import ClientConfig, run_requests
 from tokenloop.bench.trace import TraceRequest
@@ -164,7 +165,7 @@ def run_hf_baseline(trace: Sequence[TraceRequest], config: PolicyBenchConfig, ch
                     hf_model: Any | None = None) -> ReplayRun:
     """The same prompts through HF transformers static batching, tokenized by our tokenizer."""
     from tokenloop.bench.datasets import load_tokenizer
-    from tokenloop.bench.replay import load_hf_model
+    from tokenloop.bench.replay_hf import load_hf_model
 
     tokenizer = checkpoint.tokenizer if checkpoint is not None else load_tokenizer(config.model)
     model = hf_model if hf_model is not None else load_hf_model(config.model)

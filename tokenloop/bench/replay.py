@@ -17,8 +17,6 @@ policy does the same total work.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -36,7 +34,6 @@ from tokenloop.request import NS_PER_S, SamplingParams
 if TYPE_CHECKING:
     from tokenloop.engine import LLMEngine
     from tokenloop.outputs import RequestOutput
-    from tokenloop.tokenizer import Tokenizer
 
 CLOCK_MODES = ("virtual", "cost", "real")
 # The simulator's runner moves the virtual clock itself (tokenloop.sim): nothing else may add time.
@@ -190,13 +187,15 @@ def greedy_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _new_record(request: TraceRequest, arrival_s: float) -> ReplayRecord:
+def new_record(request: TraceRequest, arrival_s: float) -> ReplayRecord:
+    """A request's record as it arrives (at `arrival_s`, seconds since the replay's origin)."""
     return ReplayRecord(id=request.id, arrival_s=arrival_s, max_tokens=request.max_tokens,
                         priority=request.priority, user=request.user, prefix_id=request.prefix_id,
                         prompt_len=request.prompt_len_hint)
 
 
-def _fill_from_output(record: ReplayRecord, output: RequestOutput, origin_s: float) -> None:
+def fill_from_output(record: ReplayRecord, output: RequestOutput, origin_s: float) -> None:
+    """A finished request's outcome and times (relative to `origin_s`) from its last output."""
     metrics = output.metrics
     completion = output.outputs[0]
     record.finish_reason = completion.finish_reason
@@ -254,90 +253,20 @@ def replay_engine(trace: Sequence[TraceRequest], make_engine: Callable[[Callable
         raise ValueError(f"unknown clock {clock_mode!r} (valid: {', '.join(CLOCK_MODES)})")
     if time_scale <= 0:
         raise ValueError("time_scale must be > 0")
-    virtual = clock_mode != "real"
-    modelled = clock_mode in ("cost", SIMULATED_CLOCK)  # time passes only as the forward moves the clock
-    vclock = VirtualClock()
-    clock: Callable[[], int] = vclock if virtual else time.monotonic_ns
-    engine = make_engine(clock)
-    last_step = _LastStep()
-    engine.add_observer(last_step)
     cost = step_cost or StepCost()
-    if clock_mode == "cost":  # the forward is where modelled time passes
-        forward = engine.runner.execute
-
-        def costed_forward(output: Any) -> Any:
-            result = forward(output)
-            vclock.advance_by(cost.ns(output.num_batched_tokens))
-            return result
-
-        engine.runner.execute = costed_forward
-
-    origin_ns = clock()
-    pending = deque(sorted(trace, key=lambda r: r.arrival_s))  # stable: file order among equal arrivals
-    records: dict[str, ReplayRecord] = {}
-    admitted: set[str] = set()
-    run = ReplayRun(label=label, kind="engine", records=[])
-    bar = tqdm(total=len(trace), desc=label, unit="req", disable=not progress, dynamic_ncols=True)
+    replay = _EngineReplay(trace, make_engine, label, clock_mode, cost, time_scale, progress)
+    engine, run = replay.engine, replay.run
     wall_start = time.perf_counter()
-
-    def arrival_ns(request: TraceRequest) -> int:
-        return origin_ns + int(round(request.arrival_s * time_scale * NS_PER_S))
-
-    def note_admissions(outputs: list[RequestOutput], record: StepRecord | None) -> None:
-        # Running requests keep admission order; ones that finished within the step follow, in step order.
-        # A running request not noted yet was admitted in this step (its admitted chunk, in admission
-        # order, and no release: nothing admitted is preempted in the step it is admitted), so the step's
-        # record names it without a pass over every running request.
-        if record is None:
-            running = [r.request_id for r in engine.scheduler.running_requests()]
-        else:
-            admitted_now = [c.request_id for c in record.scheduled if c.admitted]
-            ended = {r.request_id for r in record.releases} if admitted_now and record.releases else ()
-            running = [request_id for request_id in admitted_now if request_id not in ended]
-        for request_id in running + [o.request_id for o in outputs]:
-            if request_id not in admitted and request_id in records:
-                admitted.add(request_id)
-                run.admission_order.append(request_id)
-
-    while pending or engine.has_unfinished_requests():
-        now = clock()
-        while pending and arrival_ns(pending[0]) <= now:
-            request = pending.popleft()
-            record = records[request.id] = _new_record(request, (arrival_ns(request) - origin_ns) / NS_PER_S)
-            try:
-                engine.add_request(request.id, request.prompt, greedy_params(request.max_tokens),
-                                   prompt_token_ids=request.prompt_tokens, priority=request.priority,
-                                   user=request.user, arrival_ns=arrival_ns(request))
-            except TokenloopError as exc:  # refused (too long for the cache...): a failed request
-                record.error, record.finish_reason = str(exc), "error"
-                bar.update(1)
+    while replay.pending or engine.has_unfinished_requests():
+        replay.add_arrivals()
         if not engine.has_unfinished_requests():
-            if pending:
-                _wait_until(vclock if virtual else None, arrival_ns(pending[0]))
+            if replay.pending:
+                replay.wait_for_next_arrival()
             continue
-        last_step.reset()
-        if virtual:
-            with vclock.step(cost=modelled):
-                outputs = engine.step()
-        else:
-            outputs = engine.step()
-        if last_step.num_scheduled == 0:
-            if not pending:
-                raise RuntimeError(f"{label}: the engine holds requests but schedules none")
-            _wait_until(vclock if virtual else None, arrival_ns(pending[0]))
-            continue
-        run.num_steps += 1
-        note_admissions(outputs, last_step.record)
-        for output in outputs:
-            if output.finished and output.request_id in records:
-                _fill_from_output(records[output.request_id], output, origin_ns / NS_PER_S)
-                bar.update(1)
-        stats = engine.stats()
-        run.timeline.append(TimelinePoint((clock() - origin_ns) / NS_PER_S, stats.num_running, stats.num_waiting,
-                                          stats.kv_usage, last_step.num_batched_tokens))
-    bar.close()
+        replay.step()
+    replay.bar.close()
     stats = engine.stats()
-    run.records = [records[r.id] for r in trace if r.id in records]
+    run.records = [replay.records[r.id] for r in trace if r.id in replay.records]
     run.num_preemptions = stats.num_preemptions
     run.prefix_cache_queries = stats.prefix_cache_queries
     run.prefix_cache_hits = stats.prefix_cache_hits
@@ -347,7 +276,102 @@ def replay_engine(trace: Sequence[TraceRequest], make_engine: Callable[[Callable
     return run
 
 
-def _wait_until(vclock: VirtualClock | None, t_ns: int) -> None:
+class _EngineReplay:
+    """One engine replay's state: the clock, the engine, the requests still to arrive, their records."""
+
+    def __init__(self, trace: Sequence[TraceRequest], make_engine: Callable[[Callable[[], int]], LLMEngine],
+                 label: str, clock_mode: str, cost: StepCost, time_scale: float, progress: bool) -> None:
+        self.label, self.time_scale = label, time_scale
+        self.virtual = clock_mode != "real"
+        self.modelled = clock_mode in ("cost", SIMULATED_CLOCK)  # time passes only as the forward moves the clock
+        self.vclock = VirtualClock()
+        self.clock: Callable[[], int] = self.vclock if self.virtual else time.monotonic_ns
+        self.engine = make_engine(self.clock)
+        self.last_step = _LastStep()
+        self.engine.add_observer(self.last_step)
+        if clock_mode == "cost":  # the forward is where modelled time passes
+            self.cost_the_forward(cost)
+        self.origin_ns = self.clock()
+        self.pending = deque(sorted(trace, key=lambda r: r.arrival_s))  # stable: file order among equal arrivals
+        self.records: dict[str, ReplayRecord] = {}
+        self.admitted: set[str] = set()
+        self.run = ReplayRun(label=label, kind="engine", records=[])
+        self.bar = tqdm(total=len(trace), desc=label, unit="req", disable=not progress, dynamic_ncols=True)
+
+    def cost_the_forward(self, cost: StepCost) -> None:
+        """Each forward advances the virtual clock by the cost model's time for its batched tokens."""
+        forward = self.engine.runner.execute
+
+        def costed_forward(output: Any) -> Any:
+            result = forward(output)
+            self.vclock.advance_by(cost.ns(output.num_batched_tokens))
+            return result
+
+        self.engine.runner.execute = costed_forward
+
+    def arrival_ns(self, request: TraceRequest) -> int:
+        return self.origin_ns + int(round(request.arrival_s * self.time_scale * NS_PER_S))
+
+    def wait_for_next_arrival(self) -> None:
+        wait_until(self.vclock if self.virtual else None, self.arrival_ns(self.pending[0]))
+
+    def add_arrivals(self) -> None:
+        """Add every request whose arrival time has passed; one the engine refuses is a failed request."""
+        now = self.clock()
+        while self.pending and self.arrival_ns(self.pending[0]) <= now:
+            request = self.pending.popleft()
+            arrival_ns = self.arrival_ns(request)
+            record = self.records[request.id] = new_record(request, (arrival_ns - self.origin_ns) / NS_PER_S)
+            try:
+                self.engine.add_request(request.id, request.prompt, greedy_params(request.max_tokens),
+                                        prompt_token_ids=request.prompt_tokens, priority=request.priority,
+                                        user=request.user, arrival_ns=arrival_ns)
+            except TokenloopError as exc:  # refused (too long for the cache...): a failed request
+                record.error, record.finish_reason = str(exc), "error"
+                self.bar.update(1)
+
+    def step(self) -> None:
+        """One engine step: admissions and finished requests noted, a timeline point appended."""
+        self.last_step.reset()
+        if self.virtual:
+            with self.vclock.step(cost=self.modelled):
+                outputs = self.engine.step()
+        else:
+            outputs = self.engine.step()
+        if self.last_step.num_scheduled == 0:
+            if not self.pending:
+                raise RuntimeError(f"{self.label}: the engine holds requests but schedules none")
+            self.wait_for_next_arrival()
+            return
+        self.run.num_steps += 1
+        self.note_admissions(outputs, self.last_step.record)
+        for output in outputs:
+            if output.finished and output.request_id in self.records:
+                fill_from_output(self.records[output.request_id], output, self.origin_ns / NS_PER_S)
+                self.bar.update(1)
+        stats = self.engine.stats()
+        self.run.timeline.append(TimelinePoint((self.clock() - self.origin_ns) / NS_PER_S, stats.num_running,
+                                               stats.num_waiting, stats.kv_usage, self.last_step.num_batched_tokens))
+
+    def note_admissions(self, outputs: list[RequestOutput], record: StepRecord | None) -> None:
+        """Append the requests this step admitted to the run's admission order."""
+        # Running requests keep admission order; ones that finished within the step follow, in step order.
+        # A running request not noted yet was admitted in this step (its admitted chunk, in admission
+        # order, and no release: nothing admitted is preempted in the step it is admitted), so the step's
+        # record names it without a pass over every running request.
+        if record is None:
+            running = [r.request_id for r in self.engine.scheduler.running_requests()]
+        else:
+            admitted_now = [c.request_id for c in record.scheduled if c.admitted]
+            ended = {r.request_id for r in record.releases} if admitted_now and record.releases else ()
+            running = [request_id for request_id in admitted_now if request_id not in ended]
+        for request_id in running + [o.request_id for o in outputs]:
+            if request_id not in self.admitted and request_id in self.records:
+                self.admitted.add(request_id)
+                self.run.admission_order.append(request_id)
+
+
+def wait_until(vclock: VirtualClock | None, t_ns: int) -> None:
     """Idle until `t_ns`: a jump on the virtual clock, a sleep on the real one."""
     if vclock is not None:
         vclock.advance_to(t_ns)
@@ -355,125 +379,3 @@ def _wait_until(vclock: VirtualClock | None, t_ns: int) -> None:
         delay = (t_ns - time.monotonic_ns()) / NS_PER_S
         if delay > 0:
             time.sleep(delay)
-
-
-# ---- HF transformers static batching ------------------------------------------------------------
-
-def load_hf_model(model: str) -> Any:
-    """The model through HF transformers in fp32 (GGUF via `gguf_file`, or a checkpoint directory)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tokenloop.model.loader import resolve_model_path
-
-    path = resolve_model_path(model)
-    if path.is_dir():
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    else:
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return hf.eval()
-
-
-def replay_hf_static(trace: Sequence[TraceRequest], hf_model: Any, tokenizer: Tokenizer, *, batch_size: int,
-                     label: str = "hf-static", clock_mode: str = "virtual", time_scale: float = 1.0,
-                     progress: bool = True) -> ReplayRun:
-    """Static batching, the baseline continuous batching beats: when the model is idle, take up to
-    `batch_size` arrived requests, prefill them together (left-padded) and decode until the longest is
-    done; nobody joins a running batch. Each request's tokens are stamped when produced, so a short
-    request's E2EL ends at its own last token, but the next batch waits for the longest.
-    """
-    import torch
-
-    if clock_mode == "cost":
-        raise ValueError("the HF baseline has no step cost model: use the virtual or real clock")
-    virtual = clock_mode != "real"
-    vclock = VirtualClock()
-    clock: Callable[[], int] = vclock if virtual else time.monotonic_ns
-    origin_ns = clock()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    cache_arg = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
-    from transformers import DynamicCache
-
-    def now_s() -> float:
-        return (clock() - origin_ns) / NS_PER_S
-
-    def arrival_ns(request: TraceRequest) -> int:
-        return origin_ns + int(round(request.arrival_s * time_scale * NS_PER_S))
-
-    @contextlib.contextmanager
-    def timed() -> Iterator[None]:
-        if virtual:
-            with vclock.step():
-                yield
-        else:
-            yield
-
-    def encode(request: TraceRequest) -> list[int]:
-        return list(request.prompt_tokens) if request.prompt_tokens is not None \
-            else tokenizer.encode(request.prompt or "")
-
-    with torch.inference_mode():  # warm-up: the first forwards pay one-time costs the replay should not
-        for request in trace[:2]:
-            ids = torch.tensor([encode(request)])
-            hf_model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1,
-                     **{cache_arg: DynamicCache(config=hf_model.config)})
-
-    pending = deque(sorted(trace, key=lambda r: r.arrival_s))
-    arrived: deque[tuple[TraceRequest, list[int]]] = deque()
-    records: dict[str, ReplayRecord] = {}
-    run = ReplayRun(label=label, kind="hf", records=[])
-    bar = tqdm(total=len(trace), desc=label, unit="req", disable=not progress, dynamic_ncols=True)
-    wall_start = time.perf_counter()
-    with torch.inference_mode():
-        while pending or arrived:
-            while pending and arrival_ns(pending[0]) <= clock():
-                request = pending.popleft()
-                records[request.id] = _new_record(request, (arrival_ns(request) - origin_ns) / NS_PER_S)
-                arrived.append((request, encode(request)))
-            if not arrived:
-                _wait_until(vclock if virtual else None, arrival_ns(pending[0]))
-                continue
-            batch = [arrived.popleft() for _ in range(min(batch_size, len(arrived)))]
-            start = now_s()
-            width = max(len(ids) for _, ids in batch)
-            input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for _, ids in batch])
-            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for _, ids in batch])
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            cache = DynamicCache(config=hf_model.config)
-            batch_records = [records[request.id] for request, _ in batch]
-            for record, (_, ids) in zip(batch_records, batch):
-                record.first_scheduled_s, record.prompt_len = start, len(ids)
-            longest = max(request.max_tokens for request, _ in batch)
-            for step in range(longest):
-                with timed():
-                    out = hf_model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                   use_cache=True, logits_to_keep=1, **{cache_arg: cache})
-                    next_ids = out.logits[:, -1, :].argmax(dim=-1)
-                run.num_steps += 1
-                t = now_s()
-                for record in batch_records:
-                    if record.output_len < record.max_tokens:
-                        if record.first_token_s is None:
-                            record.first_token_s = t
-                        else:
-                            record.itls_s.append(t - (record.last_token_s or t))
-                        record.last_token_s = t
-                        record.output_len += 1
-                        if record.output_len == record.max_tokens:
-                            record.finished_s, record.finish_reason = t, "length"
-                            bar.update(1)
-                # Requests that arrived during the batch are waiting too, though not yet taken off `pending`.
-                now_ns = clock()
-                waiting = len(arrived) + sum(1 for _ in itertools.takewhile(
-                    lambda r, now_ns=now_ns: arrival_ns(r) <= now_ns, pending))
-                batched = int(mask.sum()) if step == 0 else len(batch)
-                run.timeline.append(TimelinePoint(t, sum(r.output_len < r.max_tokens for r in batch_records),
-                                                  waiting, 0.0, batched))
-                input_ids = next_ids[:, None]
-                mask = torch.cat([mask, torch.ones(len(batch), 1, dtype=mask.dtype)], dim=1)
-                positions = positions[:, -1:] + 1
-    bar.close()
-    run.records = [records[r.id] for r in trace if r.id in records]
-    run.wall_s = time.perf_counter() - wall_start
-    run.settings = {"clock": clock_mode, "time_scale": time_scale, "batch_size": batch_size}
-    return run

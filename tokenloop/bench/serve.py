@@ -13,7 +13,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -103,6 +103,19 @@ def _chunk_text(data: dict[str, Any], chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
+async def _sse_data(response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
+    """Each server-sent `data:` event's JSON, then None at `[DONE]` (keep-alives and comments skipped)."""
+    async for line in response.aiter_lines():
+        line = line.strip()
+        if not line.startswith("data:"):
+            continue  # empty, keep-alive or comment
+        payload = line[len("data:"):].strip()
+        if payload == "[DONE]":
+            yield None
+            return
+        yield json.loads(payload)
+
+
 async def send_request(client: httpx.AsyncClient, request: TraceRequest, config: ClientConfig, *,
                        clock: Callable[[], float] = time.perf_counter, start_s: float = 0.0) -> RequestRecord:
     """Stream one request and time it: TTFT at the first chunk with text, ITLs between such chunks.
@@ -125,17 +138,10 @@ async def send_request(client: httpx.AsyncClient, request: TraceRequest, config:
                 detail = (await response.aread()).decode("utf-8", "replace")
                 record.error = f"HTTP {response.status_code}: {detail[:500]}"
                 return record
-            async for line in response.aiter_lines():
-                line = line.strip()
-                if not line or line.startswith(":"):
-                    continue  # keep-alive or comment
-                if not line.startswith("data:"):
-                    continue
-                payload = line[len("data:"):].strip()
-                if payload == "[DONE]":
+            async for data in _sse_data(response):
+                if data is None:
                     done = True
                     break
-                data = json.loads(payload)
                 if "error" in data:
                     error = data["error"]
                     record.error = error.get("message", str(error)) if isinstance(error, dict) else str(error)

@@ -19,6 +19,9 @@ system prompt (prefix-cache hits). A fraction of clients go away mid-request. At
 
 By default it serves the model in-process (a uvicorn thread on 127.0.0.1); with --url it drives an
 external server and checks what /metrics shows instead. Exit status 1 on any violation.
+
+Long module: one soak run: each request's plan, the checks of its answer, and the runs against an
+in-process or an external server, all over one `SoakConfig` and one `SoakReport`.
 """
 
 from __future__ import annotations

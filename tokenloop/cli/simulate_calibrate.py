@@ -44,13 +44,12 @@ def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[i
     from tokenloop.engine import LLMEngine
     from tokenloop.llm import build_engine_config
     from tokenloop.observe.records import EngineObserver, StepRecord
-    from tokenloop.request import SamplingParams
 
-    records: list[StepRecord] = []
+    sweep = _Sweep(seed, decode_tokens)
 
     class Keep(EngineObserver):
         def on_step(self, record: StepRecord) -> None:
-            records.append(record)
+            sweep.records.append(record)
 
     longest = max([*contexts, *mixed_prompts])
     config = build_engine_config(model, enable_prefix_caching=False,
@@ -59,57 +58,85 @@ def calibration_records(model: str, batches: Sequence[int], contexts: Sequence[i
                                  kv_cache_dtype=kv_cache_dtype,
                                  **({"block_size": block_size} if block_size else {}))
     engine = LLMEngine(config, observers=[Keep()])
-    rng = random.Random(seed)
-    high = min(1000, engine.core.vocab_size)  # ids any vocabulary holds; no special meaning to them
-    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    sweep.engine = engine
+    sweep.warm_up()
+    for batch in batches:
+        for context in contexts:
+            for i in range(batch):
+                engine.add_request(f"b{batch}-c{context}-{i}", None, sweep.params,
+                                   prompt_token_ids=sweep.prompt(context))
+            sweep.run_until(lambda: not engine.has_unfinished_requests())
+    for batch in mixed_batches:
+        sweep.mixed(batch, contexts, mixed_prompts, config.scheduler.max_num_batched_tokens)
+    return sweep.records, sweep.periods(), engine
 
-    def prompt(length: int) -> list[int]:
-        return [rng.randrange(10, high) for _ in range(length)]
 
-    direct: list[bool] = []  # whether the record's step was followed at once by the next one
+class _Sweep:
+    """The calibration sweep's state: the engine's step records as they come, and whether each step was
+    followed at once by the next."""
 
-    def run_until(done: Any) -> None:
+    def __init__(self, seed: int, decode_tokens: int) -> None:
+        from tokenloop.request import SamplingParams
+
+        self.records: list[Any] = []
+        self.direct: list[bool] = []  # whether the record's step was followed at once by the next one
+        self.rng = random.Random(seed)
+        self.params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+        self.engine: Any = None
+
+    def prompt(self, length: int) -> list[int]:
+        high = min(1000, self.engine.core.vocab_size)  # ids any vocabulary holds; no special meaning to them
+        return [self.rng.randrange(10, high) for _ in range(length)]
+
+    def run_until(self, done: Any) -> None:
+        records, direct = self.records, self.direct
         while not done():
             before = len(records)
-            engine.step()
+            self.engine.step()
             if len(records) > before:
                 direct[len(direct):] = [True] * (len(records) - len(direct))
         if direct:
             direct[-1] = False  # requests are added next: the gap is the sweep's, not the loop's
 
-    engine.add_request("warmup", None, params, prompt_token_ids=prompt(16))
-    run_until(lambda: not engine.has_unfinished_requests())
-    records.clear()  # the first steps pay one-time costs
-    direct.clear()
-    for batch in batches:
-        for context in contexts:
-            for i in range(batch):
-                engine.add_request(f"b{batch}-c{context}-{i}", None, params, prompt_token_ids=prompt(context))
-            run_until(lambda: not engine.has_unfinished_requests())
-    for batch in mixed_batches:
+    def warm_up(self) -> None:
+        """One short request; its steps pay one-time costs and are dropped."""
+        self.engine.add_request("warmup", None, self.params, prompt_token_ids=self.prompt(16))
+        self.run_until(lambda: not self.engine.has_unfinished_requests())
+        self.records.clear()
+        self.direct.clear()
+
+    def mixed(self, batch: int, contexts: Sequence[int], mixed_prompts: Sequence[int], token_budget: int) -> None:
+        """`batch` requests decode while prompts of each of `mixed_prompts` tokens arrive one at a time."""
+        from tokenloop.request import SamplingParams
+
+        engine = self.engine
         # Long enough to outlast every arrival of this batch (each needs its chunks and two decodes).
         # (Some decode already while the others prefill, then two decode steps alone: 64 spare.)
         lasting = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=64 + sum(
-            3 + -(-p // max(1, config.scheduler.max_num_batched_tokens - batch)) for p in mixed_prompts))
+            3 + -(-p // max(1, token_budget - batch)) for p in mixed_prompts))
         background = [f"m{batch}-{i}" for i in range(batch)]
         for i, request_id in enumerate(background):
-            engine.add_request(request_id, None, lasting, prompt_token_ids=prompt(contexts[i % len(contexts)]))
-        run_until(lambda: engine.scheduler.num_waiting == 0 and all(
+            engine.add_request(request_id, None, lasting, prompt_token_ids=self.prompt(contexts[i % len(contexts)]))
+        self.run_until(lambda: engine.scheduler.num_waiting == 0 and all(
             r.num_output_tokens > 0 for r in engine.scheduler.running_requests()))
-        decoded = len(records)
-        run_until(lambda decoded=decoded: len(records) >= decoded + 2)  # two pure decode steps of `batch` rows
+        decoded = len(self.records)
+        self.run_until(lambda: len(self.records) >= decoded + 2)  # two pure decode steps of `batch` rows
         for length in mixed_prompts:
             arrival = f"m{batch}-p{length}"
             engine.add_request(arrival, None, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
-                               prompt_token_ids=prompt(length))
-            run_until(lambda arrival=arrival: arrival not in {
+                               prompt_token_ids=self.prompt(length))
+            self.run_until(lambda arrival=arrival: arrival not in {
                 r.request_id for r in engine.scheduler.running_requests()} and engine.scheduler.num_waiting == 0)
         engine.abort_request(background)
-    gaps = [b.start_ns - a.end_ns for a, b, d in zip(records, records[1:], direct) if d]
-    gap = float(statistics.median(gaps)) if gaps else 0.0
-    periods = [((b.start_ns - a.start_ns) if d else (a.end_ns - a.start_ns + gap)) / 1e9
-               for a, b, d in zip(records, [*records[1:], records[-1]], direct)]
-    return records, periods, engine
+
+    def periods(self) -> list[float]:
+        """Each step's period: to the next step's start, or where the sweep added requests in between, its
+        duration plus the loop's median gap between steps."""
+        records, direct = self.records, self.direct
+        gaps = [b.start_ns - a.end_ns for a, b, d in zip(records, records[1:], direct) if d]
+        gap = float(statistics.median(gaps)) if gaps else 0.0
+        return [((b.start_ns - a.start_ns) if d else (a.end_ns - a.start_ns + gap)) / 1e9
+                for a, b, d in zip(records, [*records[1:], records[-1]], direct)]
 
 
 def weight_forms(model: Any, max_rows: int = 4096) -> Any:

@@ -58,9 +58,8 @@ def simulate_cluster(trace: Sequence[Any], profile: Any, policies: Sequence[str]
 
 def _replay(trace: Sequence[Any], profile: Any, engine_config: Any, router_name: str, num_replicas: int,
             vocab_size: int, label: str, time_scale: float) -> Any:
-    from tokenloop.bench.replay import SIMULATED_CLOCK, ReplayRun, _fill_from_output, _new_record
-    from tokenloop.cluster.load import LoadTracker, StepCosts
-    from tokenloop.cluster.router import Dispatcher, RouteDecision, RouterConfig, RouteRequest, make_router
+    from tokenloop.bench.replay import SIMULATED_CLOCK, ReplayRun
+    from tokenloop.cluster.router import RouteDecision, RouteRequest
     from tokenloop.request import NS_PER_S
     from tokenloop.sim.cluster import SimRequest, SimulatedCluster
     from tokenloop.sim.energy import StepEnergy, attach_energy, energy_summary
@@ -71,14 +70,7 @@ def _replay(trace: Sequence[Any], profile: Any, engine_config: Any, router_name:
     if energy is not None:  # one observer for all replicas: request ids are unique across the cluster
         for engine in cluster.engines:
             engine.add_observer(energy)
-    block_size = engine_config.cache.block_size
-    # The tracker starts from the profile's costs (the hardware is known) and refits them from the steps.
-    tracker = LoadTracker(num_replicas, block_size, seed_costs=StepCosts.from_cost_model(profile.cost_model),
-                          clock=cluster.now_ns)
-    router = make_router(router_name, RouterConfig(
-        block_size=block_size, max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens,
-        max_num_seqs=engine_config.scheduler.max_num_seqs))
-    dispatcher = Dispatcher(router, tracker)
+    dispatcher = _dispatcher(profile, engine_config, router_name, num_replicas, cluster.now_ns)
     decisions: dict[str, RouteDecision] = {}
 
     def route(request: SimRequest, now_ns: int) -> int:
@@ -89,15 +81,8 @@ def _replay(trace: Sequence[Any], profile: Any, engine_config: Any, router_name:
 
     requests = [SimRequest(r.id, int(round(r.arrival_s * time_scale * NS_PER_S)), tuple(r.prompt_tokens),
                            r.max_tokens, r.priority, r.user) for r in trace]
-    result = cluster.run(requests, route, tracker.on_frame)
-    records = []
-    for request, sim in zip(trace, requests):
-        record = _new_record(request, sim.arrival_ns / NS_PER_S)
-        if request.id in result.errors:
-            record.error, record.finish_reason = result.errors[request.id], FinishReason.ERROR
-        elif request.id in result.outputs:
-            _fill_from_output(record, result.outputs[request.id][1], 0.0)
-        records.append(record)
+    result = cluster.run(requests, route, dispatcher.tracker.on_frame)
+    records = _records(trace, requests, result)
     attach_energy(records, energy)
     replicas = result.replicas
     run = ReplayRun(label=label, kind="engine", records=records,
@@ -120,6 +105,38 @@ def _replay(trace: Sequence[Any], profile: Any, engine_config: Any, router_name:
     if energy is not None:
         run.settings["energy_per_request"] = energy_summary(records)
     return run
+
+
+def _dispatcher(profile: Any, engine_config: Any, router_name: str, num_replicas: int, clock: Any) -> Any:
+    """The router behind a load tracker that starts from the profile's costs (the hardware is known) and refits
+    them from the steps."""
+    from tokenloop.cluster.load import LoadTracker
+    from tokenloop.cluster.router import Dispatcher, RouterConfig, make_router
+    from tokenloop.cluster.step_costs import StepCosts
+
+    block_size = engine_config.cache.block_size
+    tracker = LoadTracker(num_replicas, block_size, seed_costs=StepCosts.from_cost_model(profile.cost_model),
+                          clock=clock)
+    router = make_router(router_name, RouterConfig(
+        block_size=block_size, max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens,
+        max_num_seqs=engine_config.scheduler.max_num_seqs))
+    return Dispatcher(router, tracker)
+
+
+def _records(trace: Sequence[Any], requests: Sequence[Any], result: Any) -> list[Any]:
+    """Each trace request's record from the cluster's outputs (or its error)."""
+    from tokenloop.bench.replay import fill_from_output, new_record
+    from tokenloop.request import NS_PER_S
+
+    records = []
+    for request, sim in zip(trace, requests):
+        record = new_record(request, sim.arrival_ns / NS_PER_S)
+        if request.id in result.errors:
+            record.error, record.finish_reason = result.errors[request.id], FinishReason.ERROR
+        elif request.id in result.outputs:
+            fill_from_output(record, result.outputs[request.id][1], 0.0)
+        records.append(record)
+    return records
 
 
 def _prediction_error_ms(records: Sequence[Any], predicted: dict[str, float]) -> float | None:

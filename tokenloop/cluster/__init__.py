@@ -4,7 +4,7 @@ Submodules are imported directly (`from tokenloop.cluster.router import make_rou
 re-exports the router's public names for convenience.
 """
 
-from tokenloop.cluster.load import LoadTracker, ReplicaLoad, StepCosts
+from tokenloop.cluster.load import LoadTracker, ReplicaLoad
 from tokenloop.cluster.router import (
     ROUTERS,
     Dispatcher,
@@ -15,6 +15,7 @@ from tokenloop.cluster.router import (
     RouteRequest,
     make_router,
 )
+from tokenloop.cluster.step_costs import StepCosts
 
 __all__ = ["ROUTERS", "Dispatcher", "LoadTracker", "NoReplicaError", "ReplicaLoad", "RouteDecision", "RouteRequest",
            "Router", "RouterConfig", "StepCosts", "make_router"]

@@ -13,6 +13,10 @@ The front end's loop (`serving/front_loop.py`) drives a ReplicaSet exactly as it
 It owns the cluster's request state (which replica holds which core request, the tokens each produced so
 far, handoffs in flight) and nothing of the core's: handoffs are named utility calls on the two cores
 (`tokenloop.core.handoff`), stepped here one answer at a time, so the front end's loop never blocks.
+
+Long module: one class, `ReplicaSet`, and the state all its methods share (the replicas, the requests
+each owns, the gathers in flight, the restarts); the rooms that only act on it (admin.py, handoff_flow.py)
+are split off already.
 """
 
 from __future__ import annotations

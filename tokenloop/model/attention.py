@@ -106,35 +106,8 @@ class AttentionMetadata:
         if starts.device.type != "cpu" or lens_all.device.type != "cpu":
             raise ValueError("query_start_loc and seq_lens must be host tensors or lists (read without a sync)")
         query_lens = starts[1:] - starts[:-1]
-        decode_rows = torch.nonzero(query_lens == 1).squeeze(1)
-        decode: DecodeGroup | None = None
-        if decode_rows.numel():
-            host_lens = lens_all[decode_rows]
-            lens = host_lens.to(device)
-            max_blocks = (int(host_lens.max()) + block_size - 1) // block_size
-            blocks = block_table.index_select(0, decode_rows.to(device))[:, :max_blocks]
-            blocks = blocks.to(torch.long).contiguous()
-            token_index = starts[decode_rows].to(device)
-            decode = DecodeGroup(token_index=token_index, block_table=blocks, seq_lens=lens, kernel=decode_kernel)
-            if decode_kernel is None:
-                valid_blocks = (lens + block_size - 1) // block_size
-                block_pos = torch.arange(max_blocks, device=device)[None, :]
-                picked = blocks
-                if window > 0:  # gather only the window's blocks: from the one holding its first key
-                    span = min(max_blocks, (window - 1) // block_size + 2)
-                    block_pos = ((lens - window).clamp(min=0) // block_size)[:, None] + block_pos[:, :span]
-                    picked = blocks.gather(1, block_pos.clamp(max=max_blocks - 1))
-                # Padding entries past a request's last block may hold garbage ids: point them at the first
-                # block gathered (a window's first: blocks before it may be released, id -1, never read).
-                decode.block_index = torch.where(block_pos < valid_blocks[:, None], picked, picked[:, :1])
-                offsets = torch.arange(block_size, device=device)
-                key_pos = (block_pos[..., None] * block_size + offsets).flatten(-2)
-                visible = key_pos < lens[:, None]
-                if window > 0:
-                    visible &= key_pos >= lens[:, None] - window
-                decode.mask = visible[:, None, None, :]
-
-        prefills: list[PrefillSpan] = []
+        decode = _decode_group(starts, lens_all, query_lens, block_table, block_size, decode_kernel, window,
+                               device)
         starts_list, lens_list = starts.tolist(), lens_all.tolist()
         prefill_rows = torch.nonzero(query_lens > 1).squeeze(1)
         if prefill_kernel is not None and prefill_rows.numel():
@@ -145,25 +118,69 @@ class AttentionMetadata:
                 kernel=prefill_kernel)
             return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, [], group,
                        window)
-        for row in prefill_rows.tolist():  # prefill chunks are few per step
-            start, seq_len = starts_list[row], lens_list[row]
-            q_len = starts_list[row + 1] - start
-            fresh = seq_len == q_len  # nothing cached before this chunk: attend over the new K/V directly
-            if fresh and not 0 < window < q_len:
-                prefills.append(PrefillSpan(start, start + q_len, None, None))
-                continue
-            # A windowed chunk reads from the first key its first query sees.
-            first_key = max(0, seq_len - q_len - window + 1) if window > 0 and not fresh else 0
-            positions = torch.arange(first_key, seq_len, device=device)
-            slots = None if fresh else \
-                block_table[row, positions // block_size] * block_size + positions % block_size
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-            mask = positions[None, :] <= query_pos[:, None]
-            if window > 0:
-                mask &= positions[None, :] > query_pos[:, None] - window
-            prefills.append(PrefillSpan(start, start + q_len, slots, mask))
+        prefills = _prefill_spans(prefill_rows.tolist(), starts_list, lens_list, block_table, block_size, window,
+                                  device)
         return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, prefills, None,
                    window)
+
+
+def _decode_group(starts: torch.Tensor, lens_all: torch.Tensor, query_lens: torch.Tensor, block_table: torch.Tensor,
+                  block_size: int, decode_kernel: ModuleType | None, window: int,
+                  device: torch.device) -> DecodeGroup | None:
+    """The step's rows with one new token (None without any): what a decode kernel reads in place, or without
+    one the blocks to gather and the keys each query sees."""
+    decode_rows = torch.nonzero(query_lens == 1).squeeze(1)
+    if not decode_rows.numel():
+        return None
+    host_lens = lens_all[decode_rows]
+    lens = host_lens.to(device)
+    max_blocks = (int(host_lens.max()) + block_size - 1) // block_size
+    blocks = block_table.index_select(0, decode_rows.to(device))[:, :max_blocks]
+    blocks = blocks.to(torch.long).contiguous()
+    token_index = starts[decode_rows].to(device)
+    decode = DecodeGroup(token_index=token_index, block_table=blocks, seq_lens=lens, kernel=decode_kernel)
+    if decode_kernel is None:
+        valid_blocks = (lens + block_size - 1) // block_size
+        block_pos = torch.arange(max_blocks, device=device)[None, :]
+        picked = blocks
+        if window > 0:  # gather only the window's blocks: from the one holding its first key
+            span = min(max_blocks, (window - 1) // block_size + 2)
+            block_pos = ((lens - window).clamp(min=0) // block_size)[:, None] + block_pos[:, :span]
+            picked = blocks.gather(1, block_pos.clamp(max=max_blocks - 1))
+        # Padding entries past a request's last block may hold garbage ids: point them at the first
+        # block gathered (a window's first: blocks before it may be released, id -1, never read).
+        decode.block_index = torch.where(block_pos < valid_blocks[:, None], picked, picked[:, :1])
+        offsets = torch.arange(block_size, device=device)
+        key_pos = (block_pos[..., None] * block_size + offsets).flatten(-2)
+        visible = key_pos < lens[:, None]
+        if window > 0:
+            visible &= key_pos >= lens[:, None] - window
+        decode.mask = visible[:, None, None, :]
+    return decode
+
+
+def _prefill_spans(rows: list[int], starts_list: list[int], lens_list: list[int], block_table: torch.Tensor,
+                   block_size: int, window: int, device: torch.device) -> list[PrefillSpan]:
+    """The step's prefill chunks, each with the slots of its context and its mask where it needs them."""
+    prefills: list[PrefillSpan] = []
+    for row in rows:  # prefill chunks are few per step
+        start, seq_len = starts_list[row], lens_list[row]
+        q_len = starts_list[row + 1] - start
+        fresh = seq_len == q_len  # nothing cached before this chunk: attend over the new K/V directly
+        if fresh and not 0 < window < q_len:
+            prefills.append(PrefillSpan(start, start + q_len, None, None))
+            continue
+        # A windowed chunk reads from the first key its first query sees.
+        first_key = max(0, seq_len - q_len - window + 1) if window > 0 and not fresh else 0
+        positions = torch.arange(first_key, seq_len, device=device)
+        slots = None if fresh else \
+            block_table[row, positions // block_size] * block_size + positions % block_size
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+        mask = positions[None, :] <= query_pos[:, None]
+        if window > 0:
+            mask &= positions[None, :] > query_pos[:, None] - window
+        prefills.append(PrefillSpan(start, start + q_len, slots, mask))
+    return prefills
 
 
 def triton_attention_kernels() -> ModuleType | None:
@@ -202,20 +219,26 @@ def paged_attention(
     (bf16 K/V, fp32 activations) is widened as it is read; this step's own K/V are attended as cached."""
     if not kv_written:
         write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    group = num_heads // num_kv_heads
     output = torch.empty_like(query)
+    _attend_decodes(query, key_cache, value_cache, meta, scale, output, num_kv_heads=key.shape[1])
+    _attend_prefills(query, key, value, key_cache, value_cache, meta, scale, output)
+    return output
 
+
+def _attend_decodes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, output: torch.Tensor, num_kv_heads: int) -> None:
+    """The decode rows' attention into `output`: the kernel reading the cache in place, or gather + SDPA."""
+    num_tokens, num_heads, head_dim = query.shape
+    group = num_heads // num_kv_heads
     if meta.decode is not None and meta.decode.kernel is not None:
-        d = meta.decode
+        d, kernel = meta.decode, meta.decode.kernel
         if d.token_index.shape[0] == num_tokens:  # a pure decode step: the rows are the batch, in order
-            d.kernel.paged_decode_attention(query.contiguous(), key_cache, value_cache, d.block_table, d.seq_lens,
-                                            scale, output)
+            kernel.paged_decode_attention(query.contiguous(), key_cache, value_cache, d.block_table, d.seq_lens,
+                                          scale, output)
         else:
             q = query.index_select(0, d.token_index)
             attended = torch.empty_like(q)
-            d.kernel.paged_decode_attention(q, key_cache, value_cache, d.block_table, d.seq_lens, scale, attended)
+            kernel.paged_decode_attention(q, key_cache, value_cache, d.block_table, d.seq_lens, scale, attended)
             output.index_copy_(0, d.token_index, attended)
     elif meta.decode is not None:
         d = meta.decode
@@ -233,6 +256,13 @@ def paged_attention(
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=d.mask, scale=scale)
         output.index_copy_(0, d.token_index, attended.reshape(batch, num_heads, head_dim))
 
+
+def _attend_prefills(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, meta: AttentionMetadata, scale: float, output: torch.Tensor) -> None:
+    """The prefill chunks' attention into `output`: the kernel over all of them, or SDPA chunk by chunk."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
     if meta.prefill_group is not None:
         p = meta.prefill_group
         p.kernel.paged_prefill_attention(query, key_cache, value_cache, p.block_table, p.query_starts,
@@ -252,7 +282,6 @@ def paged_attention(
         attended = F.scaled_dot_product_attention(
             q, k, v, attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=group > 1)
         output[span.token_start:span.token_end] = attended.squeeze(0).transpose(0, 1)
-    return output
 
 
 def dense_causal_attention(

@@ -31,17 +31,14 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from tokenloop.config import ModelConfig
-from tokenloop.errors import ConfigError
+from tokenloop.errors import ConfigError, UnsupportedModelError
 from tokenloop.model import registry
-from tokenloop.model.quantized import GGMLTensor
-
-if TYPE_CHECKING:
-    from tokenloop.model.models.llama import LlamaModel
+from tokenloop.model.ggml_tensor import GGMLTensor
+from tokenloop.model.models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +171,10 @@ def build_model(
 ) -> LlamaModel:
     """The model of `config.architecture` (model/registry.py) in the chosen forms."""
     quantized = choice.weights == "quantized"
-    model = registry.model_class(config.architecture).from_weights(
+    family = registry.model_class(config.architecture)
+    if not (isinstance(family, type) and issubclass(family, LlamaModel)):  # every family's parent (models/)
+        raise UnsupportedModelError(f"{config.architecture}: {family!r} is not a decoder model class")
+    model = family.from_weights(
         config, weights, device=device, dtype=DTYPES[choice.activations], max_positions=max_positions,
         weight_dtype=None if quantized else DTYPES[choice.weights], quantized=quantized,
         dense_copy_dtype=DTYPES[choice.dense_copy],

@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.ggml_tensor import GGMLTensor
 
-if TYPE_CHECKING:  # quantized.py imports this module
+if TYPE_CHECKING:
     import numpy as np
-
-    from tokenloop.model.quantized import GGMLTensor
 
 GROUP_SIZE = 32  # ggml's block, and the activations' quantization block
 TILE = 16  # output columns per tile

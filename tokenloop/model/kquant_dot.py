@@ -23,6 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.ggml_tensor import k_scales_mins
 from tokenloop.model.int8_dot import (
     GROUP_SIZE,
     TILE,
@@ -36,16 +37,6 @@ KQUANT_DOT_TYPES = (GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
 _KIND = {GGMLQuantizationType.Q5_K: 5, GGMLQuantizationType.Q6_K: 6}
 _PLANES = {5: 1, 6: 2}  # code bits above the low nibble
 _SLICE_TILES = 64  # the PyTorch twin's tiles at a time (x 16 columns): bounds its [M, N, blocks] partial sums
-
-
-def k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K's 12 bytes [..., 12] -> eight 6-bit scales and mins [..., 8] uint8. Sub-blocks 0-3 keep their 6
-    bits in the low bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 take 4 bits from bytes 8-11 and their top
-    2 bits from the spare top bits of bytes 0-7."""
-    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate([low & 63, (extra & 0x0F) | ((low >> 6) << 4)], axis=-1)
-    mn = np.concatenate([high & 63, (extra >> 4) | ((high >> 6) << 4)], axis=-1)
-    return sc, mn
 
 
 def _fp16(raw: np.ndarray) -> np.ndarray:

@@ -3,19 +3,35 @@
 A GGUF names its family in `general.architecture`, a Hugging Face directory in config.json's `model_type`
 (or, failing that, its `architectures` class names). Both resolve here, and nowhere else, to the class that
 builds and runs the model. The class is named as "module:Class" and imported only when a model is built, so
-reading a checkpoint's config (the front end, the CLI) stays free of torch.
+reading a checkpoint's config (the front end, the CLI) stays free of torch. This room sits below the model
+classes (the loader, which they reach, asks it for them), so it names them by `ModelFamily`, what a reader of
+checkpoints asks of a family's class; the builder (`dtypes.build_model`) checks it has the whole model.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenloop.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
-    from tokenloop.model.models.llama import LlamaModel
+    import numpy as np
+
+    from tokenloop.config import ModelConfig
+
+
+class ModelFamily(Protocol):
+    """A family's class as the loader reads checkpoints with it (models/llama.py's class methods)."""
+
+    def tensor_names(self, config: ModelConfig) -> list[str]:
+        """Every HF-named tensor a checkpoint of this family may hold."""
+        ...
+
+    def gguf_tensor(self, hf_name: str, array: np.ndarray) -> np.ndarray:
+        """A GGUF's dense tensor as HF's checkpoint holds it."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -87,7 +103,8 @@ def hf_architecture(raw_config: dict[str, Any], source: str) -> Architecture:
     return architecture(model_type, source, field="model_type")
 
 
-def model_class(name: str) -> type[LlamaModel]:
-    """The class that builds and runs architecture `name`."""
+def model_class(name: str) -> ModelFamily:
+    """The class that builds and runs architecture `name` (imported now)."""
     module, _, cls = architecture(name, "model").model.partition(":")
-    return getattr(importlib.import_module(module), cls)
+    family: ModelFamily = getattr(importlib.import_module(module), cls)
+    return family

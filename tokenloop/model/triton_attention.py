@@ -24,6 +24,8 @@ import triton.language as tl
 _MIN_DOT_ROWS = 16  # tl.dot needs at least 16 rows and columns
 
 
+# long: one Triton program: its signature alone (pointers, strides, compile-time sizes) is 20 lines, then an
+# online-softmax loop whose running max, sum and accumulator stay in registers across the KV blocks.
 @triton.jit
 def _paged_attention_kernel(
     query, key_cache, value_cache, out,

@@ -16,15 +16,14 @@ import gguf
 import torch
 
 from tokenloop.errors import ModelLoadError
+from tokenloop.model.ggml_tensor import GGMLTensor, QType
 from tokenloop.model.int8_dot import Q8DotWeight
 from tokenloop.model.kquant_dot import KQuantDotWeight
 from tokenloop.model.layers.linear import Weight
 from tokenloop.model.quantized import (
-    GGMLTensor,
     PackedLinear,
     PackThresholds,
     Q8Weight,
-    QType,
     QuantizedEmbedding,
     dense_weight,
     pack_fused,
@@ -121,8 +120,9 @@ class WeightSource:
     def _join(self, parts: list[torch.Tensor | GGMLTensor], as_dtype: torch.dtype,
               thresholds: PackThresholds) -> Weight:
         """Matrices stacked by rows into one projection, packed when all are quantized blocks."""
-        if self.quantized and all(isinstance(p, GGMLTensor) for p in parts):
-            fused = pack_fused(parts, thresholds, self.dense_copy_dtype)  # type: ignore[arg-type]
+        blocks = [p for p in parts if isinstance(p, GGMLTensor)]
+        if self.quantized and len(blocks) == len(parts):
+            fused = pack_fused(blocks, thresholds, self.dense_copy_dtype)
             if fused is not None:
                 return fused
         return torch.cat([dense_weight(p, as_dtype).to(self.device) for p in parts], dim=0).contiguous()

@@ -83,6 +83,7 @@ class EngineMetrics:
     server with several replicas shows each one; the request latencies are the front door's.
     """
 
+    # long: the collectors' declarations, one per series, read as one table.
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.model_name = model_name

@@ -7,6 +7,7 @@ value (ints, strings, lists), so a record crosses a process boundary as it is.
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -127,7 +128,7 @@ class StepRecord:
     def num_prefill_tokens(self) -> int:
         return sum(c.num_tokens for c in self.scheduled if c.start < c.num_prompt_tokens)
 
-    def stage_ns(self) -> dict[str, int]:
+    def stage_ns(self) -> dict[Stage, int]:
         """Duration of each stage; they add up to `end_ns - start_ns`."""
         return stage_durations(self)
 
@@ -142,12 +143,23 @@ class _StageBounds(Protocol):
     release_ns: int
 
 
-STAGES = ("schedule", "kv", "execute", "sample", "update", "release")
+class Stage(enum.StrEnum):
+    """A stage of one step of the loop; equal to its value, so records and the dashboard's JSON carry it."""
+
+    SCHEDULE = "schedule"
+    KV = "kv"
+    EXECUTE = "execute"
+    SAMPLE = "sample"
+    UPDATE = "update"
+    RELEASE = "release"
+
+
+STAGES: tuple[Stage, ...] = tuple(Stage)
 """The loop's stages in the order one iteration runs them: the one list the tracer, the exports and the
 dashboard (served to its page) use."""
 
 
-def stage_durations(step: _StageBounds) -> dict[str, int]:
+def stage_durations(step: _StageBounds) -> dict[Stage, int]:
     """The loop's stages of one step, from its boundaries: they tile [start_ns, end_ns]."""
     return dict(zip(STAGES, (step.schedule_end_ns - step.start_ns - step.kv_ns, step.kv_ns,
                              step.execute_end_ns - step.schedule_end_ns, step.sample_end_ns - step.execute_end_ns,

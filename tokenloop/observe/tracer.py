@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from tokenloop.observe import dashboard
-from tokenloop.observe.exports import iterations_of, to_chrome_trace, to_mechanism
+from tokenloop.observe.exports import iterations_of, to_chrome_trace
 from tokenloop.observe.live import LiveState
+from tokenloop.observe.mechanism import to_mechanism
 from tokenloop.observe.records import (
     ArrivalRecord,
     HandoffRecord,

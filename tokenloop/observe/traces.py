@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenloop.observe.records import ReleaseInfo, StepRecord, stage_durations
+from tokenloop.observe.records import ReleaseInfo, Stage, StepRecord, stage_durations
 from tokenloop.request import RequestStatus
 
 
@@ -62,7 +62,7 @@ class IterationTrace:
                    len(record.sampled_ids), admitted, len(record.preempted), len(record.releases), allocated,
                    reused, hits, g.num_running, g.num_waiting, g.num_free_blocks)
 
-    def stage_ns(self) -> dict[str, int]:
+    def stage_ns(self) -> dict[Stage, int]:
         """Duration of each stage; they add up to `end_ns - start_ns`."""
         return stage_durations(self)
 

@@ -90,6 +90,7 @@ class _RecordingConnection(h11.Connection):
             raise
 
 
+# long: one class, built over the limits and the connection table it closes on; each method is short.
 def guarded_h11(limits: ServerLimits, table: ConnectionTable) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a header-read deadline, idle-connection eviction and JSON parse errors."""
     header_read_timeout_s = limits.header_read_timeout_s

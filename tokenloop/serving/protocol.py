@@ -5,6 +5,9 @@ unknown fields are ignored, as OpenAI-compatible servers usually do. Responses f
 field for field, so the official client parses them; vLLM's sampling extras (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output, priority,
 cache_salt) are accepted on requests.
+
+Long module: the OpenAI messages, one pydantic class each and no logic; requests and responses are
+read side by side (a response mirrors its request's fields).
 """
 
 from __future__ import annotations

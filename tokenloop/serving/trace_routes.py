@@ -69,40 +69,16 @@ def make_trace_router(get_tracer: Callable[[], Tracer | None]) -> APIRouter:
     @router.get("/v1/trace/{request_id}")
     def get_trace(request_id: str, format: TraceFormat = Query("chrome")) -> Response:  # `format`: the API's name
         tracer = tracer_or_error()
-        if isinstance(tracer, JSONResponse):
-            return tracer
-        resolved = tracer.resolve(request_id)
-        if resolved is None:
-            return _error(404, f"no trace for request {clipped(request_id)!r}: unknown, not sampled, or "
-                          f"evicted from the tracer's buffer of {tracer.max_requests} recent requests",
-                          "trace_not_found", "request_id")
-        try:
-            body: dict[str, Any] = (tracer.chrome_trace(resolved) if format == "chrome"
-                                    else tracer.mechanism(resolved))
-        except KeyError:  # evicted between resolve and export
-            return _error(404, f"no trace for request {clipped(request_id)!r}", "trace_not_found",
-                          "request_id")
-        return JSONResponse(body)
+        return tracer if isinstance(tracer, JSONResponse) else _request_trace(tracer, request_id, format)
 
-    # The export of everything recent costs ~0.2-1 s of Python (GIL time the engine thread then waits for):
-    # clients polling it share one build, reused for `_EXPORT_TTL_S` or _EXPORT_DUTY x its build time,
-    # whichever is longer, so exports never take more than ~1/_EXPORT_DUTY of the interpreter.
-    cached: dict[str, tuple[float, bytes]] = {}  # format -> (reusable until, body)
-    export_lock = threading.Lock()
+    recent = _RecentExport()
 
     @router.get("/v1/trace")
     def get_all_traces(format: Literal["chrome"] = Query("chrome")) -> Response:
         tracer = tracer_or_error()
         if isinstance(tracer, JSONResponse):
             return tracer
-        with export_lock:  # one build at a time; the others wait for it and share it
-            built = cached.get(format)
-            now = time.monotonic()
-            if built is None or now > built[0]:
-                body = _encode_yielding(tracer.chrome_trace())
-                done = time.monotonic()
-                built = cached[format] = (done + max(_EXPORT_TTL_S, _EXPORT_DUTY * (done - now)), body)
-        return Response(built[1], media_type="application/json")
+        return Response(recent.body(tracer, format), media_type="application/json")
 
     @router.get("/v1/dashboard/state")
     def dashboard_state() -> Response:
@@ -123,3 +99,42 @@ def make_trace_router(get_tracer: Callable[[], Tracer | None]) -> APIRouter:
         return Response(_static(name), media_type=media_type, headers={"Cache-Control": "no-store"})
 
     return router
+
+
+def _request_trace(tracer: Tracer, request_id: str, format: TraceFormat) -> Response:
+    """One request's trace in `format`, or a 404 naming why there is none."""
+    resolved = tracer.resolve(request_id)
+    if resolved is None:
+        return _error(404, f"no trace for request {clipped(request_id)!r}: unknown, not sampled, or "
+                      f"evicted from the tracer's buffer of {tracer.max_requests} recent requests",
+                      "trace_not_found", "request_id")
+    try:
+        body: dict[str, Any] = (tracer.chrome_trace(resolved) if format == "chrome"
+                                else tracer.mechanism(resolved))
+    except KeyError:  # evicted between resolve and export
+        return _error(404, f"no trace for request {clipped(request_id)!r}", "trace_not_found",
+                      "request_id")
+    return JSONResponse(body)
+
+
+class _RecentExport:
+    """The export of everything recent, shared by the clients polling it.
+
+    It costs ~0.2-1 s of Python (GIL time the engine thread then waits for): one build is reused for
+    `_EXPORT_TTL_S` or _EXPORT_DUTY x its build time, whichever is longer, so exports never take more than
+    ~1/_EXPORT_DUTY of the interpreter.
+    """
+
+    def __init__(self) -> None:
+        self._cached: dict[str, tuple[float, bytes]] = {}  # format -> (reusable until, body)
+        self._lock = threading.Lock()
+
+    def body(self, tracer: Tracer, format: str) -> bytes:
+        with self._lock:  # one build at a time; the others wait for it and share it
+            built = self._cached.get(format)
+            now = time.monotonic()
+            if built is None or now > built[0]:
+                body = _encode_yielding(tracer.chrome_trace())
+                done = time.monotonic()
+                built = self._cached[format] = (done + max(_EXPORT_TTL_S, _EXPORT_DUTY * (done - now)), body)
+            return built[1]

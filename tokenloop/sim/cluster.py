@@ -156,13 +156,7 @@ class SimulatedCluster:
                 request = pending[next_arrival]
                 next_arrival += 1
                 index = route(request, t_arrival)
-                try:
-                    self.engines[index].add_request(
-                        request.request_id, None, _params(request.max_tokens),
-                        prompt_token_ids=request.prompt_token_ids, priority=request.priority,
-                        user=request.session, cache_salt=request.cache_salt, arrival_ns=t_arrival)
-                except TokenloopError as exc:  # refused (longer than the cache holds...): a failed request
-                    result.errors[request.request_id] = str(exc)
+                if not self._add(index, request, t_arrival, result):
                     continue
                 counts[index] += 1
                 if in_flight[index] is None and index not in kicked:
@@ -170,16 +164,35 @@ class SimulatedCluster:
             for index in kicked:  # idle until now: they start a step at this instant
                 self.clocks[index].advance_to(t_arrival)
                 start_step(index)
+        result.replicas = self._replica_results(counts, steps)
+        result.wall_s = time.perf_counter() - began
+        return result
+
+
+    def _add(self, index: int, request: SimRequest, t_arrival: int, result: ClusterRun) -> bool:
+        """Add `request` to replica `index`; one it refuses (longer than the cache holds...) is a failed
+        request."""
+        try:
+            self.engines[index].add_request(
+                request.request_id, None, _params(request.max_tokens),
+                prompt_token_ids=request.prompt_token_ids, priority=request.priority,
+                user=request.session, cache_salt=request.cache_salt, arrival_ns=t_arrival)
+        except TokenloopError as exc:
+            result.errors[request.request_id] = str(exc)
+            return False
+        return True
+
+    def _replica_results(self, counts: list[int], steps: list[int]) -> list[ReplicaResult]:
+        """Each replica's counts once the run is over (each must have finished every request)."""
+        replicas = []
         for index, engine in enumerate(self.engines):
             if engine.has_unfinished_requests():
                 raise RuntimeError(f"replica {index} holds requests but schedules none")
             stats = engine.stats()
-            result.replicas.append(ReplicaResult(index, counts[index], steps[index], stats.num_preemptions,
-                                                 stats.prefix_cache_queries, stats.prefix_cache_hits,
-                                                 engine.runner.modelled_ns / 1e9))
-        result.wall_s = time.perf_counter() - began
-        return result
-
+            replicas.append(ReplicaResult(index, counts[index], steps[index], stats.num_preemptions,
+                                          stats.prefix_cache_queries, stats.prefix_cache_hits,
+                                          engine.runner.modelled_ns / 1e9))
+        return replicas
 
 def _params(max_tokens: int) -> SamplingParams:
     """As every replay: greedy, exactly `max_tokens` tokens."""

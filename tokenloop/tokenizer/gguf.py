@@ -60,12 +60,7 @@ def gguf_tokenizer_parts(metadata: Mapping[str, Any], source: str) -> tuple[Rust
     num_tokens = len(tokens)
     if num_tokens == 0:
         raise ModelLoadError(f"{source}: tokenizer.ggml.tokens is empty")
-    token_types = metadata.get("tokenizer.ggml.token_type")
-    token_types = (np.full(num_tokens, _TYPE_NORMAL, dtype=np.int32) if token_types is None
-                   else np.asarray(token_types, dtype=np.int32))
-    if token_types.shape != (num_tokens,):
-        raise ModelLoadError(f"{source}: tokenizer.ggml.token_type has {token_types.size} entries "
-                             f"for {num_tokens} tokens")
+    token_types = _token_types(metadata, num_tokens, source)
 
     def token_id(key: str) -> int | None:
         value = metadata.get(f"tokenizer.ggml.{key}")
@@ -81,27 +76,9 @@ def gguf_tokenizer_parts(metadata: Mapping[str, Any], source: str) -> tuple[Rust
     pad_id = token_id("padding_token_id")
     # The first occurrence of a duplicated token string wins, as in llama.cpp's token-to-id map.
     vocab = dict(zip(reversed(tokens), range(num_tokens - 1, -1, -1)))
-
-    try:
-        if kind == "gpt2":
-            backend = _byte_level_bpe(metadata, vocab, source)
-        else:
-            backend = _sentencepiece_bpe(metadata, tokens, vocab, token_types,
-                                         tokens[unk_id] if unk_id is not None else None, source)
-    except ModelLoadError:
-        raise
-    except Exception as exc:  # the Rust constructors raise plain Exceptions on malformed input
-        raise ModelLoadError(f"{source}: cannot build the {kind!r} tokenizer ({exc})") from exc
-
-    # Control/unknown tokens are matched whole in text and skipped on decode; user-defined ones
-    # are matched whole but kept, as llama.cpp does.
-    special_types = (token_types == _TYPE_CONTROL) | (token_types == _TYPE_UNKNOWN)
-    user_types = token_types == _TYPE_USER_DEFINED
-    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                for i in np.flatnonzero(special_types) if tokens[i]])
-    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                        for i in np.flatnonzero(user_types) if tokens[i]])
-
+    backend = _backend(kind, metadata, tokens, vocab, token_types, tokens[unk_id] if unk_id is not None else None,
+                       source)
+    _add_whole_tokens(backend, tokens, token_types)
     extra_eos = [i for i in (token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
     named = {key.removeprefix("tokenizer.chat_template."): value for key, value in metadata.items()
              if key.startswith("tokenizer.chat_template.") and isinstance(value, str)}
@@ -119,6 +96,41 @@ def gguf_tokenizer_parts(metadata: Mapping[str, Any], source: str) -> tuple[Rust
         named_chat_templates=named,
         vocab_size=num_tokens,
     )
+
+
+def _backend(kind: str, metadata: Mapping[str, Any], tokens: list[str], vocab: dict[str, int],
+             token_types: np.ndarray, unk_token: str | None, source: str) -> RustTokenizer:
+    """The Rust tokenizer of `kind` ('gpt2' or 'llama'); whatever its constructors reject is a ModelLoadError."""
+    try:
+        if kind == "gpt2":
+            return _byte_level_bpe(metadata, vocab, source)
+        return _sentencepiece_bpe(metadata, tokens, vocab, token_types, unk_token, source)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # the Rust constructors raise plain Exceptions on malformed input
+        raise ModelLoadError(f"{source}: cannot build the {kind!r} tokenizer ({exc})") from exc
+
+
+def _token_types(metadata: Mapping[str, Any], num_tokens: int, source: str) -> np.ndarray:
+    """llama.cpp's type of each token (all normal where the file states none)."""
+    token_types = metadata.get("tokenizer.ggml.token_type")
+    token_types = (np.full(num_tokens, _TYPE_NORMAL, dtype=np.int32) if token_types is None
+                   else np.asarray(token_types, dtype=np.int32))
+    if token_types.shape != (num_tokens,):
+        raise ModelLoadError(f"{source}: tokenizer.ggml.token_type has {token_types.size} entries "
+                             f"for {num_tokens} tokens")
+    return token_types
+
+
+def _add_whole_tokens(backend: RustTokenizer, tokens: list[str], token_types: np.ndarray) -> None:
+    """Control/unknown tokens are matched whole in text and skipped on decode; user-defined ones are matched
+    whole but kept, as llama.cpp does."""
+    special_types = (token_types == _TYPE_CONTROL) | (token_types == _TYPE_UNKNOWN)
+    user_types = token_types == _TYPE_USER_DEFINED
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i in np.flatnonzero(special_types) if tokens[i]])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i in np.flatnonzero(user_types) if tokens[i]])
 
 
 def _split_merges(merges: Iterable[str], source: str) -> list[tuple[str, str]]:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import torch
 import torch.nn.functional as F
 
 from tokenloop.model.quantized import PackedLinear, dense_linear, prepack_dense
 
-Weight = torch.Tensor | PackedLinear  # a projection matrix in whichever form it runs
+Weight: TypeAlias = torch.Tensor | PackedLinear  # a projection matrix in whichever form it runs
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
