@@ -34,13 +34,14 @@ TINY_CONFIG = {
 }
 
 
-def write_tiny_llama(path: Path, seed: int = 0, num_layers: int = 2) -> Path:
-    """A 2-layer (or `num_layers`), width-64 random Llama as config.json + model.safetensors + tokenizer files."""
+def write_tiny_llama(path: Path, seed: int = 0, num_layers: int = 2, hidden: int = 64, inter: int = 128) -> Path:
+    """A 2-layer (or `num_layers`), width-64 (or `hidden`, FFN `inter`) random Llama as config.json +
+    model.safetensors + tokenizer files."""
     build_tiny_tokenizer_dir(path)
     vocab_size = TINY_VOCAB_SIZE
     config = dict(TINY_CONFIG, vocab_size=vocab_size, bos_token_id=None, eos_token_id=None,
-                  num_hidden_layers=num_layers)
-    hidden, inter, heads, kv_heads = 64, 128, 4, 2
+                  num_hidden_layers=num_layers, hidden_size=hidden, intermediate_size=inter)
+    heads, kv_heads = 4, 2
     head_dim = hidden // heads
     gen = torch.Generator().manual_seed(seed)
 

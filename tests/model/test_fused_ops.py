@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,9 @@ from tests.model.test_loader import write_tiny_gguf
 from tokenloop.model import quantized
 from tokenloop.model.attention import AttentionMetadata, write_kv
 from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.fused_cpu import ProjectionForm, decode_projection, plan_decode
 from tokenloop.model.ggml_tensor import QType
+from tokenloop.model.int8_dot import int8_dot_available
 from tokenloop.model.layers.rotary import apply_rope
 from tokenloop.model.loader import load_checkpoint
 from tokenloop.model.models.llama import LlamaModel
@@ -179,18 +183,22 @@ def _decode_twice(model: LlamaModel, batch: int) -> list[tuple[torch.Tensor, tor
     return results
 
 
-@pytest.mark.parametrize("form", ["float32", "bfloat16", "q4_1", "q4_1 torch int4", "q8_0", "float32 bf16 KV"])
+@pytest.mark.parametrize("form", ["float32", "bfloat16", "q4_1", "q4_1 torch int4", "q8_0", "q8_0 float32 kernel",
+                                  "float32 bf16 KV"])
 @pytest.mark.parametrize("batch", [1, 3, 17])
-def test_decode_layers_in_cpp_equal_the_python_layer_loop(tiny_checkpoint, tiny_model_dir, tmp_path, form: str,
-                                                          batch: int) -> None:
+def test_decode_layers_in_cpp_equal_the_python_layer_loop(tiny_checkpoint, tiny_model_dir, tmp_path, monkeypatch,
+                                                          form: str, batch: int) -> None:
     """A pure decode step through `decode_layers` (all layers in one C++ call) gives bit-identical logits and
     KV cache to the Python loop over the same kernels: for dense fp32 and bf16 weights, for packs (<= 16 rows:
-    our int8-dot Q4 and Q8_0 packs where they run natively, torch's int4 pack) and their bf16 copies (17 rows)."""
+    our int8-dot Q4 and Q8_0 packs where they run natively, torch's int4 pack, the float32 Q8_0 kernel's tiles)
+    and their bf16 copies (17 rows)."""
     if form != "float32" and form != "bfloat16":
-        tensor_type = QType.Q8_0 if form == "q8_0" else QType.Q4_1
+        if form == "q8_0 float32 kernel":  # as on an AVX-512 CPU, where Q8_0 tiles keep no dense copy
+            monkeypatch.setattr(quantized, "avx512_native", lambda: True)
+        tensor_type = QType.Q8_0 if form.startswith("q8_0") else QType.Q4_1
         kept = load_checkpoint(str(write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", tensor_type)),
                                keep_quantized=True)
-        thresholds = PackThresholds(int8_dot=form != "q4_1 torch int4")
+        thresholds = PackThresholds(int8_dot=form not in ("q4_1 torch int4", "q8_0 float32 kernel"))
         model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True, thresholds=thresholds)
         if form == "q8_0" and model.layers[0].qkv.form != "q8_0_vnni":
             pytest.skip("the int8-dot kernels do not run natively here")
@@ -204,14 +212,53 @@ def test_decode_layers_in_cpp_equal_the_python_layer_loop(tiny_checkpoint, tiny_
     assert torch.equal(cpp_kv, py_kv)
 
 
-def test_decode_layers_leave_forms_they_cannot_run_to_python(tiny_model_dir, tmp_path, monkeypatch) -> None:
-    """Q8_0 layer packs for the float32 kernel have no path in the C++ loop: the plan is None and the step still
-    decodes, in Python. (As on an AVX-512 CPU: without it the packs also keep a dense copy that runs instead.)"""
-    monkeypatch.setattr(quantized, "avx512_native", lambda: True)
-    kept = load_checkpoint(str(write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.gguf", QType.Q8_0)),
-                           keep_quantized=True)
-    model = LlamaModel.from_weights(kept.config, kept.weights, quantized=True,
-                                    thresholds=PackThresholds(int8_dot=False))
-    assert model.fused_decode and model.decode_plan(2) is None
-    (first, _), (second, _) = _decode_twice(model, 2)
-    assert torch.equal(first, second) and torch.isfinite(first).all()
+# A Q4_K_M-like mix over two layers of width 256 (K-quants need rows of 256): Q4_K Q and K beside a Q6_K V, a
+# Q5_K o_proj, Q4_K gate beside a Q8_0 up, Q6_K down; then Q5_0 Q beside Q8_0 K and Q5_K V, Q8_0 o_proj, Q5_0
+# down. Each stack of types is a `RowStack` of packs, run as one projection of several parts.
+_MIXED_TYPES = {
+    "blk.0.attn_q.weight": QType.Q4_K, "blk.0.attn_k.weight": QType.Q4_K, "blk.0.attn_v.weight": QType.Q6_K,
+    "blk.0.attn_output.weight": QType.Q5_K, "blk.0.ffn_gate.weight": QType.Q4_K, "blk.0.ffn_down.weight": QType.Q6_K,
+    "blk.1.attn_q.weight": QType.Q5_0, "blk.1.attn_v.weight": QType.Q5_K, "blk.1.ffn_gate.weight": QType.Q4_K,
+    "blk.1.ffn_up.weight": QType.Q4_K, "blk.1.ffn_down.weight": QType.Q5_0, "output.weight": QType.Q6_K,
+}
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory):
+    hf_dir = write_tiny_llama(tmp_path_factory.mktemp("tiny-256"), hidden=256, inter=512)
+    path = write_tiny_gguf(hf_dir, tmp_path_factory.mktemp("mixed") / "mixed.gguf", QType.Q8_0, types=_MIXED_TYPES)
+    return load_checkpoint(str(path), keep_quantized=True)
+
+
+@pytest.mark.skipif(not int8_dot_available(), reason="the int8-dot and K-quant kernels do not run natively here")
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_decode_layers_run_k_quants_and_row_stacks_in_cpp(mixed_gguf, batch: int) -> None:
+    """A GGUF mixing Q4_K, Q5_K, Q6_K, Q8_0 and Q5_0 decodes through `decode_layers`: K-quant packs and row stacks
+    of packs (1 and 3 rows) and the stacks' bf16 copies (17 rows), bit for bit as the Python layer loop."""
+    model = LlamaModel.from_weights(mixed_gguf.config, mixed_gguf.weights, quantized=True)
+    first, second = model.layers
+    assert (first.qkv.form, first.o_proj.form, first.gate_up.form, first.down.form) == (
+        "int4_vnni+q6_k_vnni", "q5_k_vnni", "int4_vnni+q8_0_vnni", "q6_k_vnni")
+    assert (second.qkv.form, second.o_proj.form, second.down.form) == (
+        "q8_0_vnni+q8_0_vnni+q5_k_vnni", "q8_0_vnni", "q8_0_vnni")
+    plan = model.decode_plan(batch)
+    assert model.fused_decode and plan is not None  # the C++ loop really runs
+    f = ProjectionForm
+    packed = [2, f.INT4_DOT, 384, f.Q6_K, 128, 1, f.Q5_K, 256, 2, f.INT4_DOT, 512, f.Q8_DOT, 512, 1, f.Q6_K, 256,
+              3, f.Q8_DOT, 256, f.Q8_DOT, 128, f.Q5_K, 128, 1, f.Q8_DOT, 256, 1, f.INT4_DOT, 1024, 1, f.Q8_DOT, 256]
+    dense = [1, f.DENSE, 512, 1, f.DENSE, 256, 1, f.DENSE, 1024, 1, f.DENSE, 256] * 2
+    assert plan.layout == (packed if batch <= 8 else dense)
+    (cpp_logits, cpp_kv), (py_logits, py_kv) = _decode_twice(model, batch)
+    assert torch.isfinite(cpp_logits).all() and cpp_logits.std() > 0
+    assert torch.equal(cpp_logits, py_logits)
+    assert torch.equal(cpp_kv, py_kv)
+
+
+def test_decode_plan_leaves_forms_the_loop_cannot_run_to_python(tiny_checkpoint) -> None:
+    """A projection in a form `decode_layers` does not run (an fp16 matrix) gives no plan: the step keeps the
+    Python layer loop."""
+    model = LlamaModel.from_weights(tiny_checkpoint.config, tiny_checkpoint.weights)
+    assert plan_decode(model.layers, 1) is not None
+    assert decode_projection(model.layers[1].down.half(), 1) is None
+    layers = [*model.layers[:1], dataclasses.replace(model.layers[1], down=model.layers[1].down.half())]
+    assert plan_decode(layers, 1) is None

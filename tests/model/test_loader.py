@@ -7,6 +7,8 @@ import json
 import math
 import re
 import shutil
+import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -33,9 +35,12 @@ def _llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
         weight.shape)
 
 
-def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arch: str | None = None) -> Path:
+def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arch: str | None = None,
+                    types: Mapping[str, QType] | None = None) -> Path:
     """Convert a tiny HF checkpoint into a GGUF file the way llama.cpp's converter lays it out (`arch`: the
-    `general.architecture` to write; default the checkpoint's model_type; names follow the model_type)."""
+    `general.architecture` to write; default the checkpoint's model_type; names follow the model_type).
+    `types`: GGUF tensor names quantized to another type than `tensor_type`, as llama-quantize mixes them; the
+    K-quants, which gguf cannot quantize, as random blocks (`_k_quant_blocks`) instead of the tensor's values."""
     config = json.loads((hf_dir / "config.json").read_text())
     model_type = config["model_type"]
     arch = arch or _GGUF_ARCH.get(model_type, model_type)
@@ -99,10 +104,15 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tensor_type: QType = QType.F32, arc
         elif permuted and name.endswith("self_attn.k_proj.weight"):
             array = _llama_cpp_permute(array, kv_heads)
         # Norms and routers stay F32, as in real files; stacked experts are quantized like matrices.
-        if array.ndim >= 2 and tensor_type != QType.F32 and not gguf_name.endswith("ffn_gate_inp.weight"):
-            writer.add_tensor(gguf_name, quantize(array, tensor_type), raw_dtype=tensor_type)
-        else:
+        chosen = (types or {}).get(gguf_name, tensor_type)
+        if array.ndim < 2 or chosen == QType.F32 or gguf_name.endswith("ffn_gate_inp.weight"):
             writer.add_tensor(gguf_name, array)
+        elif chosen in _K_QUANT_SCALES:
+            rng = np.random.default_rng(zlib.crc32(gguf_name.encode()))
+            writer.add_tensor(gguf_name, _k_quant_blocks(chosen, array.shape[0], rng, array.shape[1], scale=1e-4),
+                              raw_dtype=chosen)
+        else:
+            writer.add_tensor(gguf_name, quantize(array, chosen), raw_dtype=chosen)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -170,16 +180,19 @@ def test_quantized_gguf_loads_close_to_original(tiny_model_dir: Path, tmp_path: 
         assert error < 0.2, f"{name}: relative error {error:.3f}"
 
 
-def _k_quant_blocks(tensor_type: QType, rows: int, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant bytes with finite fp16 scales at the offsets ggml defines."""
+# Where each K-quant block's fp16 scales sit.
+_K_QUANT_SCALES = {QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,), QType.Q2_K: (80, 82), QType.Q3_K: (108,)}
+
+
+def _k_quant_blocks(tensor_type: QType, rows: int, rng: np.random.Generator, cols: int = 256,
+                    scale: float = 0.01) -> np.ndarray:
+    """Random K-quant bytes [rows, row bytes] for `cols` values a row, with the fp16 scales `scale` at the offsets
+    ggml defines."""
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
-    blocks = rng.integers(0, 256, size=(rows, block_bytes), dtype=np.uint8)
-    scale = np.float16(0.01).tobytes()
-    offsets = {QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,), QType.Q2_K: (80, 82),
-               QType.Q3_K: (108,)}[tensor_type]
-    for offset in offsets:
-        blocks[:, offset:offset + 2] = np.frombuffer(scale, dtype=np.uint8)
-    return blocks
+    blocks = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    for offset in _K_QUANT_SCALES[tensor_type]:
+        blocks[..., offset:offset + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 @pytest.mark.parametrize("tensor_type", [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K])

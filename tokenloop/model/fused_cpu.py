@@ -9,33 +9,60 @@ path with that step in Python between kernels; only plain Llama layers run the o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import TYPE_CHECKING
 
 import torch
 
 from tokenloop.model.attention import AttentionMetadata, paged_attention
 from tokenloop.model.int8_dot import Int4DotWeight, Q8DotWeight
+from tokenloop.model.kquant_dot import KQuantDotWeight
 from tokenloop.model.layers.linear import Weight, input_dtype, project
 from tokenloop.model.layers.norm import head_rms_norm_
-from tokenloop.model.quantized import Int4Weight, PackedLinear, Q8Weight
+from tokenloop.model.quantized import Int4Weight, Pack, PackedLinear, Q8Weight, RowStack
 
 if TYPE_CHECKING:
     from tokenloop.model.lora_slots import LoRABatch
     from tokenloop.model.models.llama import LayerWeights, LlamaModel
 
 
+class ProjectionForm(IntEnum):
+    """How `decode_layers` runs one part of a projection (csrc/decode_layers.cpp's `Form`: the same numbers)."""
+
+    DENSE = 0  # a bf16 or float32 matrix, plain or oneDNN-prepacked
+    TORCH_INT4 = 1  # torch's int4 pack (`Int4Weight`)
+    Q8_FLOAT = 2  # Q8_0 tiles for the float32 kernel (`Q8Weight`)
+    INT4_DOT = 3  # the int8-dot packs (`Int4DotWeight`, `Q8DotWeight`)
+    Q8_DOT = 4
+    Q5_K = 5  # `KQuantDotWeight` (its `kind`)
+    Q6_K = 6
+
+
+@dataclass(frozen=True)
+class ProjectionPart:
+    """One kernel call of a projection in `decode_layers`: the pack's codes (or a dense matrix), its scales (an
+    empty tensor for a dense matrix), its form and its output columns (a pack's rows may be padded)."""
+
+    matrix: torch.Tensor
+    scales: torch.Tensor
+    form: ProjectionForm
+    width: int
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """The flat argument lists the C++ `decode_layers` takes, for the weight forms of one row count: per layer
-    the two norm weights, and per projection its matrix (a pack's codes, or a dense matrix) and the pack's
-    scales (torch's int4: bf16 scales and zeros; int8-dot: fp16; an empty tensor for a dense matrix)."""
+    the two norm weights; per projection (qkv, o_proj, gate_up, down) its parts' matrices and scales, and in
+    `layout` its part count followed by each part's form and width."""
 
     norms: list[torch.Tensor]
     matrices: list[torch.Tensor]
     scales: list[torch.Tensor]
+    layout: list[int]
 
 
 _NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales
+_DOT_FORMS = {Int4DotWeight: ProjectionForm.INT4_DOT, Q8DotWeight: ProjectionForm.Q8_DOT}
 
 
 def _no_adapter(out: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -43,28 +70,29 @@ def _no_adapter(out: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
     return out
 
 
-def decode_projection(weight: Weight, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(matrix, scales) of the form `weight` runs for `rows` rows, when `decode_layers` can run it the way
-    `project` does; None otherwise (an fp32-kernel Q8_0 pack, a padded pack, an fp16 matrix). Dense matrices may
-    be oneDNN-prepacked (`prepack_dense`)."""
+def decode_projection(weight: Weight, rows: int) -> list[ProjectionPart] | None:
+    """The parts of the form `weight` runs for `rows` rows (several for a `RowStack`, whose outputs are
+    concatenated), when `decode_layers` can run it the way `project` does; None otherwise (an fp16 matrix).
+    Dense matrices may be oneDNN-prepacked (`prepack_dense`)."""
     if isinstance(weight, PackedLinear):
         if weight.dense is None or rows <= weight.packed_max_rows:
-            return _unpadded_pack(weight.packed)
+            packs = weight.packed.parts if isinstance(weight.packed, RowStack) else [weight.packed]
+            return [_pack_part(pack) for pack in packs]
         weight = weight.dense
-    return (weight, _NO_SCALES) if weight.dtype in (torch.float32, torch.bfloat16) else None
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return [ProjectionPart(weight, _NO_SCALES, ProjectionForm.DENSE, weight.shape[0])]
 
 
-def _unpadded_pack(pack: Int4Weight | Q8Weight | Int4DotWeight | Q8DotWeight) -> tuple[torch.Tensor,
-                                                                                    torch.Tensor] | None:
-    """A pack's (codes, scales) for `decode_layers`, which sizes outputs from the codes: unpadded packs only."""
+def _pack_part(pack: Pack) -> ProjectionPart:
+    """A pack as `decode_layers` calls its kernel: the same codes and scales its `matmul` passes."""
     if isinstance(pack, Int4Weight):
-        exact = pack.packed.shape[0] == pack.out_features and pack.packed.shape[1] * 2 == pack.in_features
-        return (pack.packed, pack.scales_zeros) if exact else None
-    if isinstance(pack, (Int4DotWeight, Q8DotWeight)):
-        tiles, blocks, _ = pack.codes.shape
-        exact = tiles * 16 == pack.out_features and blocks * 32 == pack.in_features
-        return (pack.codes, pack.scales) if exact else None
-    return None
+        return ProjectionPart(pack.packed, pack.scales_zeros, ProjectionForm.TORCH_INT4, pack.out_features)
+    if isinstance(pack, Q8Weight):
+        return ProjectionPart(pack.codes, pack.scales, ProjectionForm.Q8_FLOAT, pack.out_features)
+    if isinstance(pack, KQuantDotWeight):
+        return ProjectionPart(pack.codes, pack.scales, ProjectionForm(pack.kind), pack.out_features)
+    return ProjectionPart(pack.codes, pack.scales, _DOT_FORMS[type(pack)], pack.out_features)
 
 
 def layers_fusable(layers: list[LayerWeights]) -> bool:
@@ -79,16 +107,22 @@ def layers_fusable(layers: list[LayerWeights]) -> bool:
 def plan_decode(layers: list[LayerWeights], rows: int) -> DecodePlan | None:
     """The `decode_layers` arguments for a pure decode step of `rows` sequences, or None where some
     projection's form for that many rows is one the C++ loop does not run."""
-    norms, matrices, scales = [], [], []
+    norms: list[torch.Tensor] = []
+    matrices: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
+    layout: list[int] = []
     for layer in layers:
         norms += [layer.input_norm, layer.post_attention_norm]
         for weight in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-            form = decode_projection(weight, rows)
-            if form is None:
+            parts = decode_projection(weight, rows)
+            if parts is None:
                 return None
-            matrices.append(form[0])
-            scales.append(form[1])
-    return DecodePlan(norms, matrices, scales)
+            layout.append(len(parts))
+            for part in parts:
+                matrices.append(part.matrix)
+                scales.append(part.scales)
+                layout += [int(part.form), part.width]
+    return DecodePlan(norms, matrices, scales, layout)
 
 
 def forward_fused(
@@ -116,7 +150,7 @@ def forward_fused(
     if plan is not None:  # a pure decode step: the same sequence of kernels, with no Python between layers
         assert decode is not None
         final = torch.empty(num_tokens, cfg.hidden_size)
-        ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales,
+        ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales, plan.layout,
                           [cache for pair in kv_caches for cache in pair], positions, rope.cos, rope.sin,
                           attn.slot_mapping, decode.block_table, decode.seq_lens, cfg.num_heads, cfg.num_kv_heads,
                           cfg.head_dim, model.scale, cfg.rms_norm_eps, model.final_norm, final)

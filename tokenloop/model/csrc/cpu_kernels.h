@@ -62,6 +62,7 @@ void q4_unpack(const torch::Tensor& nibbles, const torch::Tensor& d, const torch
 // decode_layers.cpp
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,
+                   const std::vector<int64_t>& layout,
                    std::vector<torch::Tensor>& kv_caches, const torch::Tensor& positions, const torch::Tensor& cos,
                    const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_table,
                    const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

@@ -15,7 +15,6 @@ namespace {
 
 constexpr int64_t kProjectionsPerLayer = 4;  // qkv, o_proj, gate_up, down
 constexpr int64_t kInt4GroupSize = 32;
-constexpr int64_t kTileColumns = 16;  // the int8-dot packs' output columns per tile
 
 // x @ W.T for W prepacked in oneDNN's blocked layout (quantized.prepack_dense): the registered op
 // `mkldnn::_linear_pointwise`, called boxed so that no C++ signature of it is compiled in here.
@@ -28,58 +27,107 @@ torch::Tensor prepacked_linear(const torch::Tensor& x, const torch::Tensor& weig
   return stack[0].toTensor();
 }
 
-// One projection as the caller chose it for this step's row count: torch's int4 pack with its bf16 scales and
-// zeros, our int8-dot packs (4-bit or Q8_0 codes with fp16 scales, float32 in and out), or a dense matrix
-// (bf16 or float32; plain or oneDNN-prepacked).
-struct Projection {
-  enum class Kind { kDense, kTorchInt4, kInt4Dot, kQ8Dot };
-  const torch::Tensor& matrix;
-  const torch::Tensor& scales;  // empty for a dense matrix
-  Kind kind() const {
-    if (scales.numel() == 0) return Kind::kDense;
-    if (scales.scalar_type() == torch::kBFloat16) return Kind::kTorchInt4;
-    return scales.dim() == 4 ? Kind::kInt4Dot : Kind::kQ8Dot;
-  }
+// How one part of a projection is held (fused_cpu.ProjectionForm: the same numbers). A part's output width may
+// be below its pack's padded rows (tiles of 16, torch's int4 N multiple); its K is the layer's width, except
+// torch's int4 pack, whose padded K the activations are zero-padded to, as `Int4Weight.matmul` does.
+enum class Form : int64_t { kDense = 0, kTorchInt4 = 1, kQ8Float = 2, kInt4Dot = 3, kQ8Dot = 4, kQ5K = 5, kQ6K = 6 };
+
+struct Part {
+  const torch::Tensor& matrix;  // a pack's codes, or a dense matrix (bf16 or float32; plain or oneDNN-prepacked)
+  const torch::Tensor& scales;  // the pack's scales; empty for a dense matrix
+  Form form;
+  int64_t width;  // output columns
+
   c10::ScalarType input_dtype() const {
-    switch (kind()) {
-      case Kind::kDense: return matrix.scalar_type();
-      case Kind::kTorchInt4: return torch::kBFloat16;
-      default: return torch::kFloat32;
-    }
+    if (form == Form::kDense) return matrix.scalar_type();
+    return form == Form::kTorchInt4 ? torch::kBFloat16 : torch::kFloat32;
   }
+  // x @ W.T [T, width], in the form's own output dtype (bf16 for torch's int4 and bf16 matrices).
   torch::Tensor operator()(const torch::Tensor& x) const {
-    switch (kind()) {
-      case Kind::kTorchInt4: return at::_weight_int4pack_mm_for_cpu(x, matrix, kInt4GroupSize, scales);
-      case Kind::kInt4Dot:
-      case Kind::kQ8Dot: {  // unpadded packs only (llama.decode_projection): N is the tiles' 16 columns each
-        torch::Tensor out = torch::empty({x.size(0), matrix.size(0) * kTileColumns}, x.options());
-        if (kind() == Kind::kInt4Dot) int4_dot_matmul(x, matrix, scales, out);
-        else q8_0_dot_matmul(x, matrix, scales, out);
-        return out;
+    switch (form) {
+      case Form::kDense: return matrix.is_mkldnn() ? prepacked_linear(x, matrix) : at::linear(x, matrix);
+      case Form::kTorchInt4: {
+        const int64_t padded_k = matrix.size(1) * 2;
+        const torch::Tensor input = x.size(1) == padded_k ? x : at::constant_pad_nd(x, {0, padded_k - x.size(1)});
+        torch::Tensor out = at::_weight_int4pack_mm_for_cpu(input, matrix, kInt4GroupSize, scales);
+        return out.size(1) == width ? out : out.narrow(1, 0, width);
       }
-      default: return matrix.is_mkldnn() ? prepacked_linear(x, matrix) : at::linear(x, matrix);
+      default: break;
     }
+    torch::Tensor out = torch::empty({x.size(0), width}, x.options().dtype(torch::kFloat32));
+    switch (form) {
+      case Form::kQ8Float: q8_0_tiled_matmul(x, matrix, scales, out); break;
+      case Form::kInt4Dot: int4_dot_matmul(x, matrix, scales, out); break;
+      case Form::kQ8Dot: q8_0_dot_matmul(x, matrix, scales, out); break;
+      default: kquant_dot_matmul(x, matrix, scales, out, static_cast<int64_t>(form)); break;  // 5 or 6: Q5_K, Q6_K
+    }
+    return out;
   }
 };
+
+// One projection as the caller chose it for this step's row count: one part, or a row stack of float32-out
+// packs whose outputs are concatenated (`RowStack`: a Q4_K_M file's Q4_K Q and K beside a Q6_K V).
+struct Projection {
+  std::vector<Part> parts;
+
+  c10::ScalarType input_dtype() const { return parts.front().input_dtype(); }
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (parts.size() == 1) return parts.front()(x);
+    std::vector<torch::Tensor> outs;
+    outs.reserve(parts.size());
+    for (const Part& part : parts) outs.push_back(part(x));
+    return torch::cat(outs, 1);
+  }
+};
+
+// The projections `layout` describes over the flat `matrices` / `scales`: per projection its part count, then
+// each part's form and output width.
+std::vector<Projection> read_projections(const std::vector<torch::Tensor>& matrices,
+                                         const std::vector<torch::Tensor>& scales,
+                                         const std::vector<int64_t>& layout, int64_t count) {
+  TORCH_CHECK(scales.size() == matrices.size(), "decode_layers: one scales tensor per matrix expected");
+  std::vector<Projection> projections(count);
+  size_t at = 0, part = 0;
+  for (Projection& projection : projections) {
+    TORCH_CHECK(at < layout.size() && layout[at] > 0, "decode_layers: layout ends before projection ",
+                &projection - projections.data());
+    const int64_t parts = layout[at++];
+    TORCH_CHECK(at + 2 * parts <= layout.size() && part + parts <= matrices.size(),
+                "decode_layers: layout names more parts than it or the matrices hold");
+    for (int64_t i = 0; i < parts; ++i, ++part, at += 2) {
+      const int64_t form = layout[at];
+      TORCH_CHECK(form >= 0 && form <= static_cast<int64_t>(Form::kQ6K), "decode_layers: unknown form ", form);
+      projection.parts.push_back(Part{matrices[part], scales[part], static_cast<Form>(form), layout[at + 1]});
+    }
+    for (const Part& p : projection.parts)
+      TORCH_CHECK(parts == 1 || p.input_dtype() == torch::kFloat32,
+                  "decode_layers: a row stack's parts must all take float32 activations");
+  }
+  TORCH_CHECK(at == layout.size() && part == matrices.size(), "decode_layers: layout and matrices do not match");
+  return projections;
+}
 
 }  // namespace
 
 // hidden [T, H] float32: the residual stream after the embedding, updated in place; final_out [T, H] float32
 // receives RMSNorm(hidden + last MLP output) * final_norm. norms: per layer input and post-attention norm
-// weights (2L, float32 [H]). matrices / scales: per layer qkv, o_proj, gate_up, down (4L): a pack's codes and
-// scales (torch's int4: bf16 scales and zeros; int8-dot: fp16), or a dense matrix and an empty tensor. kv_caches: per layer K then V (2L). positions, slots [T]
-// int64; cos, sin [P, D/2]; block_table [T, max_blocks], seq_lens [T] int64 (the decode group's).
+// weights (2L, float32 [H]). matrices / scales: the parts of per layer qkv, o_proj, gate_up, down (4L
+// projections, one part each or a row stack's several): a pack's codes and scales (torch's int4: bf16 scales and
+// zeros; the float32 Q8_0 kernel's: float32; int8-dot and K-quant: fp16), or a dense matrix and an empty tensor.
+// layout: per projection its part count, then each part's form (`Form`) and output width. kv_caches: per layer
+// K then V (2L). positions, slots [T] int64; cos, sin [P, D/2]; block_table [T, max_blocks], seq_lens [T] int64
+// (the decode group's).
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,
+                   const std::vector<int64_t>& layout,
                    std::vector<torch::Tensor>& kv_caches, const torch::Tensor& positions, const torch::Tensor& cos,
                    const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_table,
                    const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    double scale, double eps, const torch::Tensor& final_norm, torch::Tensor& final_out) {
   const int64_t layers = static_cast<int64_t>(norms.size()) / 2;
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers &&
-                  static_cast<int64_t>(matrices.size()) == kProjectionsPerLayer * layers &&
-                  scales.size() == matrices.size() && static_cast<int64_t>(kv_caches.size()) == 2 * layers,
-              "decode_layers: expected 2 norms, 4 projections and a K/V pair per layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(kv_caches.size()) == 2 * layers,
+              "decode_layers: expected 2 norms and a K/V pair per layer");
+  const std::vector<Projection> projections = read_projections(matrices, scales, layout, kProjectionsPerLayer * layers);
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32,
               "decode_layers: hidden must be float32 [T, H]");
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
@@ -93,8 +141,8 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
   torch::Tensor delta = torch::empty({0}, f32);  // the previous layer's MLP output, added inside the next norm
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int64_t w = layer * kProjectionsPerLayer;
-    const Projection qkv{matrices[w], scales[w]}, o_proj{matrices[w + 1], scales[w + 1]};
-    const Projection gate_up{matrices[w + 2], scales[w + 2]}, down{matrices[w + 3], scales[w + 3]};
+    const Projection &qkv = projections[w], &o_proj = projections[w + 1];
+    const Projection &gate_up = projections[w + 2], &down = projections[w + 3];
     torch::Tensor& key_cache = kv_caches[2 * layer];
     torch::Tensor& value_cache = kv_caches[2 * layer + 1];
 
