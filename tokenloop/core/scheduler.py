@@ -28,8 +28,9 @@ from typing import cast
 
 from tokenloop.config import SchedulerConfig
 from tokenloop.core.kv_cache import BlockRelease, KVBlock, KVCacheManager
-from tokenloop.core.policy import Policy, RanksWaiting, WaitingQueue, make_policy
+from tokenloop.core.policy import Policy, make_policy
 from tokenloop.core.speculative import DraftProposer
+from tokenloop.core.waiting_queue import RanksWaiting, WaitingQueue
 from tokenloop.errors import CapacityError, InvalidRequestError
 from tokenloop.observe.records import ScheduledChunk
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
