@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from tokenloop.config import SchedulerConfig
-from tokenloop.core.kv_cache import BlockRelease, KVBlock, KVCacheManager
+from tokenloop.core.block_pool import KVBlock
+from tokenloop.core.kv_cache import BlockRelease, KVCacheManager
 from tokenloop.core.policy import Policy, make_policy
 from tokenloop.core.speculative import DraftProposer
 from tokenloop.core.waiting_queue import RanksWaiting, WaitingQueue
