@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tokenloop.config import KVGroup
-from tokenloop.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenloop.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenloop.model.attention import AttentionMetadata
 from tokenloop.model.lora_slots import AdapterSlots, LoRABatch
 from tokenloop.model.models.llama import LlamaModel

@@ -31,7 +31,8 @@ from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.kv_events import KVEventBatch, KVEventLog, KVIndexSnapshot
 from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
 from tokenloop.core.recording import gauges, release_infos, step_record
-from tokenloop.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tokenloop.core.scheduler import Scheduler, SchedulerStats
+from tokenloop.core.scheduler_output import SchedulerOutput
 from tokenloop.core.speculative import NgramProposer
 from tokenloop.core.update import StepUpdate, Updater, new_output, touch
 from tokenloop.errors import AdapterNotFoundError, ConfigError, InvalidRequestError
