@@ -105,37 +105,20 @@ class AttentionMetadata:
         lens_all = torch.as_tensor(seq_lens, dtype=torch.long)
         if starts.device.type != "cpu" or lens_all.device.type != "cpu":
             raise ValueError("query_start_loc and seq_lens must be host tensors or lists (read without a sync)")
-        query_lens = starts[1:] - starts[:-1]
-        decode_rows = torch.nonzero(query_lens == 1).squeeze(1)
-        decode: DecodeGroup | None = None
-        if decode_rows.numel():
-            host_lens = lens_all[decode_rows]
-            lens = host_lens.to(device)
-            max_blocks = (int(host_lens.max()) + block_size - 1) // block_size
-            blocks = block_table.index_select(0, decode_rows.to(device))[:, :max_blocks]
-            blocks = blocks.to(torch.long).contiguous()
-            token_index = starts[decode_rows].to(device)
-            decode = DecodeGroup(token_index=token_index, block_table=blocks, seq_lens=lens, kernel=decode_kernel)
-            if decode_kernel is None:
-                valid_blocks = (lens + block_size - 1) // block_size
-                block_pos = torch.arange(max_blocks, device=device)[None, :]
-                picked = blocks
-                if window > 0:  # gather only the window's blocks: from the one holding its first key
-                    span = min(max_blocks, (window - 1) // block_size + 2)
-                    block_pos = ((lens - window).clamp(min=0) // block_size)[:, None] + block_pos[:, :span]
-                    picked = blocks.gather(1, block_pos.clamp(max=max_blocks - 1))
-                # Padding entries past a request's last block may hold garbage ids: point them at the first
-                # block gathered (a window's first: blocks before it may be released, id -1, never read).
-                decode.block_index = torch.where(block_pos < valid_blocks[:, None], picked, picked[:, :1])
-                offsets = torch.arange(block_size, device=device)
-                key_pos = (block_pos[..., None] * block_size + offsets).flatten(-2)
-                visible = key_pos < lens[:, None]
-                if window > 0:
-                    visible &= key_pos >= lens[:, None] - window
-                decode.mask = visible[:, None, None, :]
+        starts_list, lens_list = starts.tolist(), lens_all.tolist()
+        # A decode step (every row one token, the common case) needs no row selection: it is every row.
+        all_decode = starts_list == list(range(len(starts_list))) and len(starts_list) > 1
+        query_lens = None if all_decode else starts[1:] - starts[:-1]
+        decode_rows = None if query_lens is None else torch.nonzero(query_lens == 1).squeeze(1)
+        decode = None
+        if decode_rows is None or decode_rows.numel():
+            decode = _decode_group(starts, lens_all, lens_list, decode_rows, block_table, block_size, decode_kernel,
+                                   window, device)
 
         prefills: list[PrefillSpan] = []
-        starts_list, lens_list = starts.tolist(), lens_all.tolist()
+        if query_lens is None:  # every row decodes: no prefill
+            return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, prefills, None,
+                       window)
         prefill_rows = torch.nonzero(query_lens > 1).squeeze(1)
         if prefill_kernel is not None and prefill_rows.numel():
             group = PrefillGroup(
@@ -164,6 +147,40 @@ class AttentionMetadata:
             prefills.append(PrefillSpan(start, start + q_len, slots, mask))
         return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, prefills, None,
                    window)
+
+
+def _decode_group(starts: torch.Tensor, lens_all: torch.Tensor, lens_list: list[int], decode_rows: torch.Tensor | None,
+                  block_table: torch.Tensor, block_size: int, decode_kernel: ModuleType | None, window: int,
+                  device: torch.device) -> DecodeGroup:
+    """The step's one-token rows (`decode_rows`; None: every row) as a `DecodeGroup`: their block tables
+    for the kernel, or the gather indices and masks for SDPA without one."""
+    host_lens = lens_all if decode_rows is None else lens_all[decode_rows]
+    lens = host_lens.to(device)
+    max_len = max(lens_list) if decode_rows is None else int(host_lens.max())
+    max_blocks = (max_len + block_size - 1) // block_size
+    blocks = (block_table if decode_rows is None
+              else block_table.index_select(0, decode_rows.to(device)))[:, :max_blocks]
+    blocks = blocks.to(torch.long).contiguous()
+    token_index = (starts[:-1] if decode_rows is None else starts[decode_rows]).to(device)
+    decode = DecodeGroup(token_index=token_index, block_table=blocks, seq_lens=lens, kernel=decode_kernel)
+    if decode_kernel is None:
+        valid_blocks = (lens + block_size - 1) // block_size
+        block_pos = torch.arange(max_blocks, device=device)[None, :]
+        picked = blocks
+        if window > 0:  # gather only the window's blocks: from the one holding its first key
+            span = min(max_blocks, (window - 1) // block_size + 2)
+            block_pos = ((lens - window).clamp(min=0) // block_size)[:, None] + block_pos[:, :span]
+            picked = blocks.gather(1, block_pos.clamp(max=max_blocks - 1))
+        # Padding entries past a request's last block may hold garbage ids: point them at the first
+        # block gathered (a window's first: blocks before it may be released, id -1, never read).
+        decode.block_index = torch.where(block_pos < valid_blocks[:, None], picked, picked[:, :1])
+        offsets = torch.arange(block_size, device=device)
+        key_pos = (block_pos[..., None] * block_size + offsets).flatten(-2)
+        visible = key_pos < lens[:, None]
+        if window > 0:
+            visible &= key_pos >= lens[:, None] - window
+        decode.mask = visible[:, None, None, :]
+    return decode
 
 
 def triton_attention_kernels() -> ModuleType | None:
