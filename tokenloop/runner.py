@@ -159,11 +159,12 @@ class ModelRunner:
                 tables.release(request_id)
             rows = tables.rows
             for item in output.scheduled:
-                new_ids = item.new_block_ids if item.group_block_ids is None else item.group_block_ids[group]
-                if item.admitted:
-                    tables.append(tables.reset(item.request_id), new_ids)
+                chunk = item.chunk  # the row's plain values, read without its properties (every row, every step)
+                new_ids = chunk.new_block_ids if item.group_block_ids is None else item.group_block_ids[group]
+                if chunk.admitted:
+                    tables.append(tables.reset(chunk.request_id), new_ids)
                 elif new_ids:
-                    tables.append(rows[item.request_id], new_ids)
+                    tables.append(rows[chunk.request_id], new_ids)
 
     def block_table(self, request_id: str, group: int = 0) -> list[int]:
         return self.group_tables[group].get(request_id)

@@ -86,14 +86,14 @@ class _StepPlan:
     def add(self, request: Request, n: int, new_block_ids: list[int], admitted: bool = False,
             num_reused: int = 0, hit_tokens: int = 0) -> None:
         """Schedule `n` tokens of `request` with this step's block-table diff."""
-        start = request.num_computed_tokens
+        start, num_tokens = request.num_computed_tokens, request.num_tokens
         self.policy.on_scheduled(request, n)
-        row = ScheduledRequest(request, n, start, start + n == request.num_tokens, new_block_ids,
+        row = ScheduledRequest(request, n, start, start + n == num_tokens, new_block_ids,
                                self.kv.num_blocks_held(request.request_id), admitted, num_reused, hit_tokens)
         self.output.scheduled.append(row)
         self.scheduled_ids.add(request.request_id)
         self.budget -= n
-        if self.threshold and request.num_tokens - start > self.threshold:
+        if self.threshold and num_tokens - start > self.threshold:
             self.long_rows.append(row)
 
 
