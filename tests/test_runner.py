@@ -10,7 +10,8 @@ import torch
 
 from tokenloop.config import KVGroup, SchedulerConfig
 from tokenloop.core.kv_cache import KVCacheManager
-from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from tokenloop.core.scheduler import Scheduler
+from tokenloop.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenloop.request import Request, RequestStatus, SamplingParams
 from tokenloop.runner import BlockTables, ModelRunner
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tokenloop.core import kv_cache as kv_module
-from tokenloop.core.kv_cache import BlockPool, FreeBlockQueue, KVBlock, KVCacheManager, hash_block
+from tokenloop.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from tokenloop.core.kv_cache import KVCacheManager, hash_block
 from tokenloop.request import Request, SamplingParams
 
 BS = 4

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from tests.core.test_kv_cache import admit, make_request
-from tokenloop.core.kv_cache import KVBlock, KVCacheManager, hash_block
+from tokenloop.core.block_pool import KVBlock
+from tokenloop.core.kv_cache import KVCacheManager, hash_block
 from tokenloop.core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -14,7 +14,8 @@ import pytest
 
 from tokenloop.config import SCHEDULING_POLICIES, SchedulerConfig
 from tokenloop.core.kv_cache import KVCacheManager
-from tokenloop.core.scheduler import Scheduler, SchedulerOutput
+from tokenloop.core.scheduler import Scheduler
+from tokenloop.core.scheduler_output import SchedulerOutput
 from tokenloop.request import Request, RequestStatus, SamplingParams
 
 LONG_LEN = 7600

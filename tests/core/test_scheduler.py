@@ -13,7 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tokenloop.config import SCHEDULING_POLICIES, SchedulerConfig
 from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.policy import FairSharePolicy
-from tokenloop.core.scheduler import Scheduler, SchedulerOutput
+from tokenloop.core.scheduler import Scheduler
+from tokenloop.core.scheduler_output import SchedulerOutput
 from tokenloop.errors import CapacityError, InvalidRequestError
 from tokenloop.request import Request, RequestStatus, SamplingParams
 

@@ -17,9 +17,9 @@ from tokenloop.core.policy import (
     FCFSPolicy,
     PriorityPolicy,
     ShortestJobPolicy,
-    WaitingQueue,
 )
 from tokenloop.core.scheduler import Scheduler
+from tokenloop.core.waiting_queue import WaitingQueue
 from tokenloop.request import NS_PER_S, Request, RequestStatus, SamplingParams
 
 POLICIES = {

@@ -9,6 +9,9 @@ token and stops a request by EOS, stop token ids, its grammar or its length (sto
 front end finds them and finishes the request here). Each step ends with one `StepRecord` handed to the
 observers; nothing they do reaches back into the loop. The same class runs in-process (the offline `LLM`)
 and inside the server's engine process.
+
+Long module: the core's one face: the loop, and the thin calls the core loop dispatches by name (requests,
+handoff, LoRA adapters, KV events), each a few lines forwarding to the room that owns its state.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.kv_events import KVEventBatch, KVEventLog, KVIndexSnapshot
 from tokenloop.core.messages import CoreOutput, CoreOutputs, CoreRequest
 from tokenloop.core.recording import gauges, release_infos, step_record
-from tokenloop.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tokenloop.core.scheduler import Scheduler, SchedulerStats
+from tokenloop.core.scheduler_output import SchedulerOutput
 from tokenloop.core.speculative import NgramProposer
 from tokenloop.core.update import StepUpdate, Updater, new_output, touch
 from tokenloop.errors import AdapterNotFoundError, ConfigError, InvalidRequestError
@@ -314,9 +318,10 @@ class EngineCore:
         if result is None:
             return []
         self.scheduler.update_from_output(schedule)
-        rows = [schedule.scheduled[i] for i in result.sample_indices]
-        sampling = ([item.request for item in rows for _ in range(1 + len(item.draft_token_ids))]
-                    if schedule.num_draft_tokens else [item.request for item in rows])
+        scheduled = schedule.scheduled
+        sampling = ([scheduled[i].request for i in result.sample_indices
+                     for _ in range(1 + len(scheduled[i].draft_token_ids))]
+                    if schedule.num_draft_tokens else [scheduled[i].request for i in result.sample_indices])
         if result.token_ids is not None:  # dictated by the runner (the simulator's): nothing to sample
             sampled: list[Sampled] = list(zip(sampling, result.token_ids, itertools.repeat(None)))
         else:

@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tokenloop.core.kv_cache import KVBlock, KVCacheManager
+from tokenloop.core.block_pool import KVBlock
+from tokenloop.core.kv_cache import KVCacheManager
 from tokenloop.core.scheduler import Scheduler
 from tokenloop.errors import CapacityError, InvalidRequestError
 from tokenloop.request import NS_PER_S, Clock, Request, RequestStatus, SamplingParams

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from tokenloop.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenloop.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenloop.logprobs import TokenLogprobs
 from tokenloop.request import Request
 from tokenloop.runner import ModelRunner, RunnerOutput

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenloop.core.kv_cache import BlockRelease, KVCacheManager
-from tokenloop.core.scheduler import Scheduler, SchedulerOutput
+from tokenloop.core.scheduler import Scheduler
+from tokenloop.core.scheduler_output import SchedulerOutput
 from tokenloop.observe.records import ReleaseInfo, StepGauges, StepRecord
 from tokenloop.request import Request
 from tokenloop.runner import RunnerOutput

@@ -16,124 +16,33 @@ left at the end goes back to the long prefills, so a lone long prompt still fill
 With speculative decoding on, a decoding request may also get draft tokens (`draft_token_ids`) from
 the budget and free blocks left after everyone's real tokens: drafts never preempt, never delay an
 admission, and never count as computed until `accept_drafts` says the model agreed with them.
+
+What a step computes (`SchedulerOutput`, its `ScheduledRequest` rows) is `core/scheduler_output.py`'s.
+
+Long module: one state, the running, waiting and paused queues, which the running pass, the admission pass,
+the leftover pass, finishing and a handoff's pause and resume all read and write; split apart, each would
+reach into the others' queues.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import cast
 
 from tokenloop.config import SchedulerConfig
-from tokenloop.core.kv_cache import BlockRelease, KVBlock, KVCacheManager
-from tokenloop.core.policy import Policy, RanksWaiting, WaitingQueue, make_policy
+from tokenloop.core.block_pool import KVBlock
+from tokenloop.core.kv_cache import BlockRelease, KVCacheManager
+from tokenloop.core.policy import Policy, make_policy
+from tokenloop.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenloop.core.speculative import DraftProposer
+from tokenloop.core.waiting_queue import RanksWaiting, WaitingQueue
 from tokenloop.errors import CapacityError, InvalidRequestError
-from tokenloop.observe.records import ScheduledChunk
 from tokenloop.request import Clock, Request, RequestStatus, default_clock
 
 logger = logging.getLogger(__name__)
-
-
-class ScheduledRequest:
-    """One request's share of a step: tokens at positions [num_computed_tokens, + num_tokens).
-
-    Block tables travel as diffs: `new_block_ids` are appended to the request's table this step. On an
-    admission (or a resume after preemption) the table starts empty, so they are the whole table: the
-    `num_reused_blocks` prefix-hit blocks first, then the blocks taken for new tokens.
-
-    Its plain values are the step record's row (`chunk`, a `ScheduledChunk`), built once here and handed
-    to the record as they are: one object per row per step instead of two (issue 13's speed goal). The
-    fields below read and write through it. `new_block_ids` are group 0's; with more KV groups
-    (docs/kv-groups.md), `group_block_ids` holds the same diff for every group (-1: a position a sliding
-    window has passed, on an admission after a prefix hit).
-    """
-
-    __slots__ = ("chunk", "draft_token_ids", "group_block_ids", "request")
-
-    def __init__(self, request: Request, num_tokens: int, num_computed_tokens: int, samples: bool,
-                 new_block_ids: list[int], num_blocks: int, admitted: bool = False, num_reused_blocks: int = 0,
-                 prefix_hit_tokens: int = 0, draft_token_ids: Sequence[int] = ()) -> None:
-        """`num_computed_tokens`: the request's computed tokens when scheduled (the first position to
-        compute); `samples`: the step reaches the end of its known tokens, so it samples the next one;
-        `num_blocks`: blocks in its table after this step's allocation; `admitted`: its first allocation
-        since it held no blocks (admitted or resumed)."""
-        self.request = request
-        self.chunk = ScheduledChunk(request.request_id, num_computed_tokens, num_tokens,
-                                    len(request.prompt_token_ids), samples, new_block_ids, num_reused_blocks,
-                                    prefix_hit_tokens, admitted, num_blocks)
-        # Speculative tokens after the request's last one, counted in num_tokens (their K/V slots are
-        # allocated); only a decoding row (one real token, samples) gets them.
-        self.draft_token_ids = draft_token_ids
-        self.group_block_ids: list[list[int]] | None = None  # set once the step is scheduled, if > 1 group
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def num_tokens(self) -> int:
-        return self.chunk.num_tokens
-
-    @num_tokens.setter
-    def num_tokens(self, value: int) -> None:
-        self.chunk.num_tokens = value
-
-    @property
-    def num_computed_tokens(self) -> int:
-        return self.chunk.start
-
-    @property
-    def samples(self) -> bool:
-        return self.chunk.samples
-
-    @property
-    def new_block_ids(self) -> list[int]:
-        return self.chunk.new_block_ids
-
-    @property
-    def num_blocks(self) -> int:
-        return self.chunk.num_blocks
-
-    @num_blocks.setter
-    def num_blocks(self, value: int) -> None:
-        self.chunk.num_blocks = value
-
-    @property
-    def admitted(self) -> bool:
-        return self.chunk.admitted
-
-    @property
-    def num_reused_blocks(self) -> int:
-        return self.chunk.num_reused_blocks
-
-    @property
-    def prefix_hit_tokens(self) -> int:
-        return self.chunk.prefix_hit_tokens
-
-    def __repr__(self) -> str:
-        return f"ScheduledRequest({self.chunk!r}, drafts={list(self.draft_token_ids)})"
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step computes."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)  # ended with an error while being scheduled
-    num_batched_tokens: int = 0
-    # Requests whose block tables are gone since the last schedule (finished, aborted, preempted), so a
-    # runner keeping persistent tables drops their rows before this step's diffs are applied.
-    released_request_ids: list[str] = field(default_factory=list)
-    kv_ns: int = 0  # time spent in KV lookups and allocations inside schedule()
-    num_draft_tokens: int = 0  # speculative tokens among num_batched_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass(frozen=True)
@@ -177,14 +86,14 @@ class _StepPlan:
     def add(self, request: Request, n: int, new_block_ids: list[int], admitted: bool = False,
             num_reused: int = 0, hit_tokens: int = 0) -> None:
         """Schedule `n` tokens of `request` with this step's block-table diff."""
-        start = request.num_computed_tokens
+        start, num_tokens = request.num_computed_tokens, request.num_tokens
         self.policy.on_scheduled(request, n)
-        row = ScheduledRequest(request, n, start, start + n == request.num_tokens, new_block_ids,
+        row = ScheduledRequest(request, n, start, start + n == num_tokens, new_block_ids,
                                self.kv.num_blocks_held(request.request_id), admitted, num_reused, hit_tokens)
         self.output.scheduled.append(row)
         self.scheduled_ids.add(request.request_id)
         self.budget -= n
-        if self.threshold and request.num_tokens - start > self.threshold:
+        if self.threshold and num_tokens - start > self.threshold:
             self.long_rows.append(row)
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from tokenloop.core.isolation import Failure, Sampled
 from tokenloop.core.messages import CoreOutput
-from tokenloop.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from tokenloop.core.scheduler import Scheduler
+from tokenloop.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenloop.core.speculative import accept_greedy
 from tokenloop.errors import InvalidRequestError
 from tokenloop.logprobs import TokenLogprobs

@@ -105,10 +105,18 @@ class AttentionMetadata:
         lens_all = torch.as_tensor(seq_lens, dtype=torch.long)
         if starts.device.type != "cpu" or lens_all.device.type != "cpu":
             raise ValueError("query_start_loc and seq_lens must be host tensors or lists (read without a sync)")
-        query_lens = starts[1:] - starts[:-1]
-        decode = _decode_group(starts, lens_all, query_lens, block_table, block_size, decode_kernel, window,
-                               device)
         starts_list, lens_list = starts.tolist(), lens_all.tolist()
+        # A decode step (every row one token, the common case) needs no row selection: it is every row.
+        all_decode = starts_list == list(range(len(starts_list))) and len(starts_list) > 1
+        query_lens = None if all_decode else starts[1:] - starts[:-1]
+        decode_rows = None if query_lens is None else torch.nonzero(query_lens == 1).squeeze(1)
+        decode = None
+        if decode_rows is None or decode_rows.numel():
+            decode = _decode_group(starts, lens_all, lens_list, decode_rows, block_table, block_size, decode_kernel,
+                                   window, device)
+
+        if query_lens is None:  # every row decodes: no prefill
+            return cls(slot_mapping, starts_list, lens_list, block_table, block_size, decode, [], None, window)
         prefill_rows = torch.nonzero(query_lens > 1).squeeze(1)
         if prefill_kernel is not None and prefill_rows.numel():
             group = PrefillGroup(
@@ -124,20 +132,19 @@ class AttentionMetadata:
                    window)
 
 
-def _decode_group(starts: torch.Tensor, lens_all: torch.Tensor, query_lens: torch.Tensor, block_table: torch.Tensor,
-                  block_size: int, decode_kernel: ModuleType | None, window: int,
-                  device: torch.device) -> DecodeGroup | None:
-    """The step's rows with one new token (None without any): what a decode kernel reads in place, or without
-    one the blocks to gather and the keys each query sees."""
-    decode_rows = torch.nonzero(query_lens == 1).squeeze(1)
-    if not decode_rows.numel():
-        return None
-    host_lens = lens_all[decode_rows]
+def _decode_group(starts: torch.Tensor, lens_all: torch.Tensor, lens_list: list[int], decode_rows: torch.Tensor | None,
+                  block_table: torch.Tensor, block_size: int, decode_kernel: ModuleType | None, window: int,
+                  device: torch.device) -> DecodeGroup:
+    """The step's one-token rows (`decode_rows`; None: every row) as a `DecodeGroup`: their block tables
+    for the kernel, or the gather indices and masks for SDPA without one."""
+    host_lens = lens_all if decode_rows is None else lens_all[decode_rows]
     lens = host_lens.to(device)
-    max_blocks = (int(host_lens.max()) + block_size - 1) // block_size
-    blocks = block_table.index_select(0, decode_rows.to(device))[:, :max_blocks]
+    max_len = max(lens_list) if decode_rows is None else int(host_lens.max())
+    max_blocks = (max_len + block_size - 1) // block_size
+    blocks = (block_table if decode_rows is None
+              else block_table.index_select(0, decode_rows.to(device)))[:, :max_blocks]
     blocks = blocks.to(torch.long).contiguous()
-    token_index = starts[decode_rows].to(device)
+    token_index = (starts[:-1] if decode_rows is None else starts[decode_rows]).to(device)
     decode = DecodeGroup(token_index=token_index, block_table=blocks, seq_lens=lens, kernel=decode_kernel)
     if decode_kernel is None:
         valid_blocks = (lens + block_size - 1) // block_size

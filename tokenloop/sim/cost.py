@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenloop.core.scheduler import SchedulerOutput
+from tokenloop.core.scheduler_output import SchedulerOutput
 from tokenloop.observe.records import StepRecord
 
 TERMS = ("step", "tokens", "kv_read_tokens", "prefill_attn", "sampled_rows", "seqs",

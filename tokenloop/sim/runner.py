@@ -16,7 +16,7 @@ from typing import Protocol
 
 from tokenloop.config import EngineConfig
 from tokenloop.core.engine_core import EngineCore
-from tokenloop.core.scheduler import SchedulerOutput
+from tokenloop.core.scheduler_output import SchedulerOutput
 from tokenloop.observe.records import Observes
 from tokenloop.runner import RunnerOutput
 from tokenloop.sim.cost import StepCostModel, features_of_totals
