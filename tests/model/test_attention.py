@@ -145,3 +145,39 @@ def test_bf16_kv_cache_attends_as_the_rounded_keys_and_values(block_size: int, n
         rounded = dense_causal_attention(q, k.bfloat16().float(), v.bfloat16().float(), scale)
         torch.testing.assert_close(out, rounded, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out, dense_causal_attention(q, k, v, scale), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 1), (9, 3)])
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])  # 64 / 128: the register path; 16, 256: the generic loop
+@pytest.mark.parametrize("window", [1, 6, 13])
+def test_cpp_decode_attends_only_the_window(window: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                                            kv_dtype: torch.dtype) -> None:
+    """A sliding layer's decode rows: each query attends only its `window` latest keys. The blocks wholly before
+    the window are released (id -1 in the table, as a sliding KV group's) and hold NaN: reading one shows."""
+    kernel = _decode_kernel("cpp")
+    assert kernel is not None and kernel.decode_attention_window
+    block_size, lengths = 4, [1, 3, 6, 7, 14, 29]
+    gen = torch.Generator().manual_seed(window * 1000 + head_dim + num_heads)
+    blocks_each = (max(lengths) + block_size - 1) // block_size
+    num_blocks = len(lengths) * blocks_each
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+    value_cache = torch.randn(shape, generator=gen).to(kv_dtype)
+    table = torch.randperm(num_blocks, generator=gen).view(len(lengths), blocks_each)
+    for row, length in enumerate(lengths):
+        passed = max(0, length - window) // block_size
+        key_cache[table[row, :passed]] = value_cache[table[row, :passed]] = float("nan")
+        table[row, :passed] = -1
+    query = torch.randn(len(lengths), num_heads, head_dim, generator=gen)
+    out = torch.empty_like(query)
+    scale = head_dim ** -0.5
+    kernel.paged_decode_attention(query, key_cache, value_cache, table, torch.tensor(lengths), scale, out, window)
+    group = num_heads // num_kv_heads
+    for row, length in enumerate(lengths):
+        positions = torch.arange(max(0, length - window), length)
+        slots = table[row, positions // block_size] * block_size + positions % block_size
+        keys = key_cache.view(-1, num_kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
+        values = value_cache.view(-1, num_kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
+        weights = (torch.einsum("hd,khd->hk", query[row], keys) * scale).softmax(-1)
+        torch.testing.assert_close(out[row], torch.einsum("hk,khd->hd", weights, values), rtol=1e-5, atol=1e-5)

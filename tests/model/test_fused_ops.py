@@ -18,6 +18,7 @@ from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.fused_cpu import ProjectionForm, decode_projection, plan_decode
 from tokenloop.model.ggml_tensor import QType
 from tokenloop.model.int8_dot import int8_dot_available
+from tokenloop.model.layers.norm import head_rms_norm_
 from tokenloop.model.layers.rotary import apply_rope
 from tokenloop.model.loader import load_checkpoint
 from tokenloop.model.models.llama import LlamaModel
@@ -27,21 +28,28 @@ kernels = paged_decode_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not hasattr(kernels, "add_rms_norm"),
                                 reason="C++ CPU kernels unavailable")
 FLOATS = [torch.float32, torch.bfloat16]
+NO_NORM = torch.empty(0)  # a place without a norm, for the kernels
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 70), hidden=st.sampled_from([8, 64, 576]), delta_dtype=st.sampled_from(FLOATS + [None]),
-       out_dtype=st.sampled_from(FLOATS), seed=st.integers(0, 2**16))
+       out_dtype=st.sampled_from(FLOATS), delta_normed=st.booleans(), seed=st.integers(0, 2**16))
 def test_add_rms_norm_equals_add_then_norm(rows: int, hidden: int, delta_dtype: torch.dtype | None,
-                                           out_dtype: torch.dtype, seed: int) -> None:
+                                           out_dtype: torch.dtype, delta_normed: bool, seed: int) -> None:
+    """residual += delta, or += RMSNorm(delta) * delta_weight (Gemma's norms on a sublayer's output); then the
+    next norm."""
     gen = torch.Generator().manual_seed(seed)
     residual = torch.randn(rows, hidden, generator=gen) * 3
     weight = 1 + torch.randn(hidden, generator=gen) * 0.1
+    delta_weight = 1 + torch.randn(hidden, generator=gen) * 0.1 if delta_normed else NO_NORM
     delta = torch.randn(rows, hidden, generator=gen).to(delta_dtype) if delta_dtype else torch.empty(0)
-    expected_residual = residual + (delta.float() if delta_dtype else 0)
+    added = delta.float()
+    if delta_dtype and delta_normed:
+        added = F.rms_norm(added, (hidden,), delta_weight, 1e-5)
+    expected_residual = residual + (added if delta_dtype else 0)
     expected = F.rms_norm(expected_residual, (hidden,), weight, 1e-5)
     out = torch.empty(rows, hidden, dtype=out_dtype)
-    kernels.add_rms_norm(residual, delta, weight, 1e-5, out)
+    kernels.add_rms_norm(residual, delta, delta_weight, weight, 1e-5, out)
     torch.testing.assert_close(residual, expected_residual, rtol=1e-6, atol=1e-6)
     if out_dtype == torch.float32:
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -49,23 +57,29 @@ def test_add_rms_norm_equals_add_then_norm(rows: int, hidden: int, delta_dtype: 
         torch.testing.assert_close(out.float(), expected.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-6)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("in_dtype", FLOATS)
 @pytest.mark.parametrize("out_dtype", FLOATS)
 @pytest.mark.parametrize("rows", [1, 3, 200])
-def test_silu_mul_equals_silu_times_up(in_dtype: torch.dtype, out_dtype: torch.dtype, rows: int) -> None:
+def test_gated_activation_equals_activation_times_up(in_dtype: torch.dtype, out_dtype: torch.dtype, rows: int,
+                                                     activation: str) -> None:
+    """SwiGLU's silu_mul and GeGLU's gelu_tanh_mul (torch's tanh-approximate GELU)."""
     gate_up = (torch.randn(rows, 2 * 96) * 4).to(in_dtype)
     gate, up = gate_up.float().chunk(2, dim=-1)
-    expected = (F.silu(gate) * up).to(out_dtype)
+    activated = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    expected = (activated * up).to(out_dtype)
     out = torch.empty(rows, 96, dtype=out_dtype)
-    kernels.silu_mul(gate_up, out)
+    getattr(kernels, f"{activation}_mul")(gate_up, out)
     tolerance = 1e-5 if out_dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=1e-5)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("kv_dtype", FLOATS)
 @pytest.mark.parametrize("qkv_dtype", FLOATS)
-def test_rope_write_kv_equals_rotate_then_write(qkv_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
-    """Into an fp32 or a bf16 cache; with a bf16 cache K and V come back rounded as cached."""
+def test_rope_write_kv_equals_rotate_then_write(qkv_dtype: torch.dtype, kv_dtype: torch.dtype, qk_norm: bool) -> None:
+    """Into an fp32 or a bf16 cache; with a bf16 cache K and V come back rounded as cached. With QK-norm
+    weights each Q and K head is RMS-normalized first (Qwen3, Gemma 3)."""
     tokens, heads, kv_heads, head_dim, block_size, num_blocks = 7, 9, 3, 64, 4, 6
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(qkv_dtype)
@@ -75,7 +89,12 @@ def test_rope_write_kv_equals_rotate_then_write(qkv_dtype: torch.dtype, kv_dtype
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     caches = [torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=kv_dtype) for _ in range(4)]
 
-    wide = qkv.float()
+    q_norm, k_norm = (1 + torch.randn(head_dim, generator=gen) * 0.2 for _ in "qk")
+    wide = qkv.float().clone()  # normalized in place below: the kernel reads the raw qkv
+    if qk_norm:
+        head_rms_norm_(wide, q_norm, k_norm, heads, kv_heads, 1e-6)
+    else:
+        q_norm = k_norm = NO_NORM
     qk = apply_rope(wide[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim),
                     cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
     q_ref, k_ref = qk.split([heads, kv_heads], dim=1)
@@ -85,7 +104,7 @@ def test_rope_write_kv_equals_rotate_then_write(qkv_dtype: torch.dtype, kv_dtype
 
     q, k, v = torch.empty(tokens, heads, head_dim), torch.empty(tokens, kv_heads, head_dim), torch.empty(
         tokens, kv_heads, head_dim)
-    kernels.rope_write_kv(qkv, positions, cos, sin, slots, caches[2], caches[3], q, k, v)
+    kernels.rope_write_kv(qkv, positions, cos, sin, slots, q_norm, k_norm, 1e-6, caches[2], caches[3], q, k, v)
     for got, want in [(q, q_ref), (k, k_ref), (v, v_ref), (caches[2], caches[0]), (caches[3], caches[1])]:
         # bf16: an fp32 rotation differing in the last bit may round to the neighbouring bf16 value
         tolerance = 1e-5 if got.dtype == torch.float32 and kv_dtype == torch.float32 else 8e-3
@@ -98,9 +117,11 @@ def test_rope_write_kv_refuses_a_slot_or_position_outside_its_table() -> None:
     cos = sin = torch.ones(16, 4)
     q, k, v = torch.empty(1, 3, 8), torch.empty(1, 1, 8), torch.empty(1, 1, 8)
     with pytest.raises(RuntimeError, match="slot 8 outside the cache"):
-        kernels.rope_write_kv(qkv, torch.tensor([0]), cos, sin, torch.tensor([8]), *caches, q, k, v)
+        kernels.rope_write_kv(qkv, torch.tensor([0]), cos, sin, torch.tensor([8]), NO_NORM, NO_NORM, 1e-6, *caches, q,
+                              k, v)
     with pytest.raises(RuntimeError, match="position 16 outside the rope table"):
-        kernels.rope_write_kv(qkv, torch.tensor([16]), cos, sin, torch.tensor([0]), *caches, q, k, v)
+        kernels.rope_write_kv(qkv, torch.tensor([16]), cos, sin, torch.tensor([0]), NO_NORM, NO_NORM, 1e-6, *caches, q,
+                              k, v)
 
 
 @pytest.fixture(scope="module")

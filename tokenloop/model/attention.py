@@ -95,11 +95,14 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """The layout from the step's flat tensors; `query_start_loc` [B+1] and `seq_lens` [B] may be int64
         host tensors (the runner's, built over the batch at once) or lists. With a `window` (a sliding KV
-        group's, docs/kv-groups.md), each query sees only the `window` latest keys up to itself, through
-        masks (the in-place kernels know no window), and reads only the blocks from the one holding the
-        first key it sees: blocks before it may be released (id -1 in the table) and are never read."""
+        group's, docs/kv-groups.md), each query sees only the `window` latest keys up to itself, and reads
+        only the blocks from the one holding the first key it sees: blocks before it may be released (id -1 in
+        the table) and are never read. Decode rows keep a kernel that takes a window (the C++ one says so by
+        `decode_attention_window`); the others run through masks."""
         if window > 0:
-            decode_kernel = prefill_kernel = None
+            prefill_kernel = None
+            if not getattr(decode_kernel, "decode_attention_window", False):
+                decode_kernel = None
         device = slot_mapping.device
         starts = torch.as_tensor(query_start_loc, dtype=torch.long)
         lens_all = torch.as_tensor(seq_lens, dtype=torch.long)
@@ -239,13 +242,15 @@ def _attend_decodes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     group = num_heads // num_kv_heads
     if meta.decode is not None and meta.decode.kernel is not None:
         d, kernel = meta.decode, meta.decode.kernel
+        window = (meta.window,) if meta.window > 0 else ()  # only a kernel that takes a window gets one (build)
         if d.token_index.shape[0] == num_tokens:  # a pure decode step: the rows are the batch, in order
             kernel.paged_decode_attention(query.contiguous(), key_cache, value_cache, d.block_table, d.seq_lens,
-                                          scale, output)
+                                          scale, output, *window)
         else:
             q = query.index_select(0, d.token_index)
             attended = torch.empty_like(q)
-            kernel.paged_decode_attention(q, key_cache, value_cache, d.block_table, d.seq_lens, scale, attended)
+            kernel.paged_decode_attention(q, key_cache, value_cache, d.block_table, d.seq_lens, scale, attended,
+                                          *window)
             output.index_copy_(0, d.token_index, attended)
     elif meta.decode is not None:
         d = meta.decode

@@ -1,9 +1,10 @@
-"""The fused CPU forward, a capability a model declares: the layer of models/llama.py with the C++ elementwise
-kernels (csrc/fused_layer_ops.cpp: each residual add folded into the next RMSNorm, rotary + KV write in one),
+"""The fused CPU forward, a capability a model declares: the decoder layer with the C++ elementwise kernels
+(csrc/fused_layer_ops.cpp: each residual add folded into the next RMSNorm, QK-norm + rotary + KV write in one),
 and for a pure decode step all layers in one C++ call (csrc/decode_layers.cpp), planned per row count.
 
-A family whose layer is Llama's plus something the kernels do not know (Qwen3's QK-norm) runs the per-layer
-path with that step in Python between kernels; only plain Llama layers run the one-call decode loop.
+The kernels know a layer by data, not by family: its norms by place (`LayerWeights.norms`: Llama's two, Qwen3's
+QK-norm, Gemma 3's norms on the attention's and the MLP's outputs), the MLP's gate (`mlp_activation`), and per
+layer its KV group (`attention_places`), whose layout, rotary table (`group_rotary`) and window it attends with.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from tokenloop.model.attention import AttentionMetadata, paged_attention
 from tokenloop.model.int8_dot import Int4DotWeight, Q8DotWeight
 from tokenloop.model.kquant_dot import KQuantDotWeight
 from tokenloop.model.layers.linear import Weight, input_dtype, project
-from tokenloop.model.layers.norm import head_rms_norm_
 from tokenloop.model.quantized import Int4Weight, Pack, PackedLinear, Q8Weight, RowStack
 
 if TYPE_CHECKING:
@@ -52,8 +52,9 @@ class ProjectionPart:
 @dataclass(frozen=True)
 class DecodePlan:
     """The flat argument lists the C++ `decode_layers` takes, for the weight forms of one row count: per layer
-    the two norm weights; per projection (qkv, o_proj, gate_up, down) its parts' matrices and scales, and in
-    `layout` its part count followed by each part's form and width."""
+    its six norm weights (`LayerNorms.in_order`, an empty tensor where it has none); per projection (qkv,
+    o_proj, gate_up, down) its parts' matrices and scales, and in `layout` its part count followed by each
+    part's form and width."""
 
     norms: list[torch.Tensor]
     matrices: list[torch.Tensor]
@@ -63,6 +64,7 @@ class DecodePlan:
 
 _NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales
 _DOT_FORMS = {Int4DotWeight: ProjectionForm.INT4_DOT, Q8DotWeight: ProjectionForm.Q8_DOT}
+_NO_NORM = torch.empty(0)  # marks a place without a norm for the kernels
 
 
 def _no_adapter(out: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -112,7 +114,7 @@ def plan_decode(layers: list[LayerWeights], rows: int) -> DecodePlan | None:
     scales: list[torch.Tensor] = []
     layout: list[int] = []
     for layer in layers:
-        norms += [layer.input_norm, layer.post_attention_norm]
+        norms += layer.norms().in_order(_NO_NORM)
         for weight in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
             parts = decode_projection(weight, rows)
             if parts is None:
@@ -129,60 +131,75 @@ def forward_fused(
     model: LlamaModel,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
-    attn: AttentionMetadata,
+    attn: AttentionMetadata | list[AttentionMetadata],
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     logits_indices: torch.Tensor | None,
     lora: LoRABatch | None = None,
 ) -> torch.Tensor:
     """`model.forward` on the CPU with the fused kernels: the same layer, with each residual add folded into
-    the next RMSNorm, the norms written in the next GEMM's input dtype, and rotary + KV write in one. A step
-    with adapter rows (`lora`) runs the per-layer path, the adapters' products added after each projection."""
-    cfg, ops, rope = model.config, model.fused_ops, model.rotary
+    the next RMSNorm, the norms written in the next GEMM's input dtype, and QK-norm + rotary + KV write in one.
+    `attn`: the step's layout, or one per KV group. A step with adapter rows (`lora`) runs the per-layer path,
+    the adapters' products added after each projection."""
+    cfg, ops = model.config, model.fused_ops
     assert ops is not None
+    layouts = attn if isinstance(attn, list) else [attn]
+    assert len(layouts) == len(model.kv_groups()), "one AttentionMetadata per KV group"
     num_tokens = input_ids.shape[0]
     positions = positions.contiguous()
-    hidden = model.embed.index_select(0, input_ids).contiguous()  # the fp32 residual stream, updated in place
-    decode = attn.decode
-    plan = None
-    if lora is None and model.fused_decode and decode is not None and decode.kernel is not None \
-            and decode.token_index.shape[0] == num_tokens:
+    hidden = model.embed_tokens(input_ids).contiguous()  # the fp32 residual stream, updated in place
+    places = model.attention_places()
+    eps = cfg.rms_norm_eps
+    if lora is None and model.fused_decode and all(_pure_decode(layout, num_tokens) for layout in layouts):
         plan = model.decode_plan(num_tokens)
-    if plan is not None:  # a pure decode step: the same sequence of kernels, with no Python between layers
-        assert decode is not None
-        final = torch.empty(num_tokens, cfg.hidden_size)
-        ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales, plan.layout,
-                          [cache for pair in kv_caches for cache in pair], positions, rope.cos, rope.sin,
-                          attn.slot_mapping, decode.block_table, decode.seq_lens, cfg.num_heads, cfg.num_kv_heads,
-                          cfg.head_dim, model.scale, cfg.rms_norm_eps, model.final_norm, final)
-        if logits_indices is not None:
-            final = final.index_select(0, logits_indices)
-        return model.lm_head(final)
-    delta = torch.empty(0)  # the previous layer's MLP output, added inside the next norm
+        if plan is not None:  # a pure decode step: the same sequence of kernels, with no Python between layers
+            final = torch.empty(num_tokens, cfg.hidden_size)
+            decodes = [layout.decode for layout in layouts if layout.decode is not None]
+            rotaries = [model.group_rotary(group) for group in range(len(layouts))]
+            ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales, plan.layout,
+                              [cache for _, pair in places for cache in kv_caches[pair]], [g for g, _ in places],
+                              positions, [r.cos for r in rotaries], [r.sin for r in rotaries],
+                              [layout.slot_mapping for layout in layouts], [d.block_table for d in decodes],
+                              [layout.window for layout in layouts], decodes[0].seq_lens, cfg.num_heads,
+                              cfg.num_kv_heads, cfg.head_dim, model.scale, eps, model.mlp_activation == "gelu_tanh",
+                              model.final_norm, final)
+            if logits_indices is not None:
+                final = final.index_select(0, logits_indices)
+            return model.lm_head(final)
+    activate = ops.gelu_tanh_mul if model.mlp_activation == "gelu_tanh" else ops.silu_mul
+    delta, delta_norm = torch.empty(0), _NO_NORM  # the previous layer's MLP output (and its norm), added in the next
     q = torch.empty(num_tokens, cfg.num_heads, cfg.head_dim)
     k = torch.empty(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     v = torch.empty_like(k)
-    eps = cfg.rms_norm_eps
     tick = model.progress.tick
-    for index, (layer, (key_cache, value_cache)) in enumerate(zip(model.layers, kv_caches)):
+    for index, layer in enumerate(model.layers):
+        group, pair = places[index]
+        layout, (key_cache, value_cache), rope = layouts[group], kv_caches[pair], model.group_rotary(group)
+        norm_input, attention_output, feed_forward_input, feed_forward_output, q_heads, k_heads = \
+            layer.norms().in_order(_NO_NORM)
         adapt = _no_adapter if lora is None else lora.for_layer(index)
         normed = torch.empty(num_tokens, cfg.hidden_size, dtype=input_dtype(layer.qkv, num_tokens))
-        ops.add_rms_norm(hidden, delta, layer.input_norm, eps, normed)
+        ops.add_rms_norm(hidden, delta, delta_norm, norm_input, eps, normed)
         qkv = adapt(project(normed, layer.qkv), normed, "qkv")
-        if layer.q_norm is not None and layer.k_norm is not None:
-            head_rms_norm_(qkv, layer.q_norm, layer.k_norm, cfg.num_heads, cfg.num_kv_heads, eps)
-        ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, attn.slot_mapping, key_cache, value_cache, q, k, v)
-        attended = paged_attention(q, k, v, key_cache, value_cache, attn, model.scale, kv_written=True)
+        ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, layout.slot_mapping, q_heads, k_heads, eps, key_cache,
+                          value_cache, q, k, v)
+        attended = paged_attention(q, k, v, key_cache, value_cache, layout, model.scale, kv_written=True)
         normed = torch.empty(num_tokens, cfg.hidden_size, dtype=input_dtype(layer.gate_up, num_tokens))
         attended = attended.view(num_tokens, -1)
-        ops.add_rms_norm(hidden, adapt(project(attended, layer.o_proj), attended, "o_proj"),
-                         layer.post_attention_norm, eps, normed)
+        ops.add_rms_norm(hidden, adapt(project(attended, layer.o_proj), attended, "o_proj"), attention_output,
+                         feed_forward_input, eps, normed)
         gate_up = adapt(project(normed, layer.gate_up), normed, "gate_up")
         activated = torch.empty(num_tokens, gate_up.shape[1] // 2, dtype=input_dtype(layer.down, num_tokens))
-        ops.silu_mul(gate_up, activated)
-        delta = adapt(project(activated, layer.down), activated, "down")
+        activate(gate_up, activated)
+        delta, delta_norm = adapt(project(activated, layer.down), activated, "down"), feed_forward_output
         tick()
     final = torch.empty(num_tokens, cfg.hidden_size)
-    ops.add_rms_norm(hidden, delta, model.final_norm, eps, final)
+    ops.add_rms_norm(hidden, delta, delta_norm, model.final_norm, eps, final)
     if logits_indices is not None:
         final = final.index_select(0, logits_indices)
     return model.lm_head(final)
+
+
+def _pure_decode(layout: AttentionMetadata, num_tokens: int) -> bool:
+    """Whether every row of the step decodes one token through the C++ decode attention, in this layout."""
+    decode = layout.decode
+    return decode is not None and decode.kernel is not None and decode.token_index.shape[0] == num_tokens

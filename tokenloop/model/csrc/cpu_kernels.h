@@ -38,7 +38,7 @@ inline std::string compiled_isa() {
 // paged_decode_attention.cpp
 void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_table,
-                            const torch::Tensor& seq_lens, double scale, torch::Tensor& out);
+                            const torch::Tensor& seq_lens, double scale, torch::Tensor& out, int64_t window = 0);
 // q8_0_matmul.cpp
 void q8_0_tiled_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                        torch::Tensor& out);
@@ -51,19 +51,23 @@ void kquant_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const
                        torch::Tensor& out, int64_t kind);
 bool int8_dot_native();
 // fused_layer_ops.cpp
-void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& weight, double eps,
-                  torch::Tensor& out);
+void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& delta_weight,
+                  const torch::Tensor& weight, double eps, torch::Tensor& out);
 void silu_mul(const torch::Tensor& gate_up, torch::Tensor& out);
+void gelu_tanh_mul(const torch::Tensor& gate_up, torch::Tensor& out);
 void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
-                   const torch::Tensor& sin, const torch::Tensor& slots, torch::Tensor& key_cache,
-                   torch::Tensor& value_cache, torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out);
+                   const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& q_norm,
+                   const torch::Tensor& k_norm, double eps, torch::Tensor& key_cache, torch::Tensor& value_cache,
+                   torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out);
 // weight_unpack.cpp
 void q4_unpack(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, torch::Tensor& out);
 // decode_layers.cpp
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,
                    const std::vector<int64_t>& layout,
-                   std::vector<torch::Tensor>& kv_caches, const torch::Tensor& positions, const torch::Tensor& cos,
-                   const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_table,
+                   std::vector<torch::Tensor>& kv_caches, const std::vector<int64_t>& layer_groups,
+                   const torch::Tensor& positions, const std::vector<torch::Tensor>& cos,
+                   const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& slots,
+                   const std::vector<torch::Tensor>& block_tables, const std::vector<int64_t>& windows,
                    const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   double scale, double eps, const torch::Tensor& final_norm, torch::Tensor& final_out);
+                   double scale, double eps, bool gelu, const torch::Tensor& final_norm, torch::Tensor& final_out);

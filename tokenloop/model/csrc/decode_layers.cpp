@@ -2,9 +2,12 @@
 //
 // At one decode token a layer is four GEMMs of ~30-130 us and seven small kernels, and the Python between
 // them (the layer loop, dtype choices, allocations, ~40 dispatches a layer) cost as much as the kernels
-// themselves. This runs the same sequence as `LlamaModel._forward_fused` (the same kernels, in the same
-// order, so the results are bit for bit the same) without returning to Python between layers.
+// themselves. This runs the same sequence as `fused_cpu.forward_fused`'s layer loop (the same kernels, in the
+// same order, so the results are bit for bit the same) without returning to Python between layers.
 // Only pure decode steps come here: one query token per sequence, attended by `paged_decode_attention`.
+// The layer shape is data: which norms a layer has (Llama's two, Qwen3's QK-norm, Gemma 3's four and QK-norm),
+// the MLP's gate activation, and per layer its KV group (Gemma's sliding layers: their own rotary table, block
+// table and window).
 #include "cpu_kernels.h"
 
 #include <torch/extension.h>
@@ -14,6 +17,7 @@
 namespace {
 
 constexpr int64_t kProjectionsPerLayer = 4;  // qkv, o_proj, gate_up, down
+constexpr int64_t kNormsPerLayer = 6;  // input, attention output, MLP input, MLP output, Q heads, K heads
 constexpr int64_t kInt4GroupSize = 32;
 
 // x @ W.T for W prepacked in oneDNN's blocked layout (quantized.prepack_dense): the registered op
@@ -110,54 +114,76 @@ std::vector<Projection> read_projections(const std::vector<torch::Tensor>& matri
 }  // namespace
 
 // hidden [T, H] float32: the residual stream after the embedding, updated in place; final_out [T, H] float32
-// receives RMSNorm(hidden + last MLP output) * final_norm. norms: per layer input and post-attention norm
-// weights (2L, float32 [H]). matrices / scales: the parts of per layer qkv, o_proj, gate_up, down (4L
-// projections, one part each or a row stack's several): a pack's codes and scales (torch's int4: bf16 scales and
-// zeros; the float32 Q8_0 kernel's: float32; int8-dot and K-quant: fp16), or a dense matrix and an empty tensor.
-// layout: per projection its part count, then each part's form (`Form`) and output width. kv_caches: per layer
-// K then V (2L). positions, slots [T] int64; cos, sin [P, D/2]; block_table [T, max_blocks], seq_lens [T] int64
-// (the decode group's).
+// receives RMSNorm(hidden + last MLP output) * final_norm. norms: per layer (6L, float32) the input norm, the
+// attention output's norm, the MLP input norm, the MLP output's norm, and Q's and K's per-head norms; an empty
+// tensor where the layer has none (a Llama layer has only the input and MLP input norms; Gemma's has all six).
+// matrices / scales: the parts of per layer qkv, o_proj, gate_up, down (4L projections, one part each or a row
+// stack's several): a pack's codes and scales (torch's int4: bf16 scales and zeros; the float32 Q8_0 kernel's:
+// float32; int8-dot and K-quant: fp16), or a dense matrix and an empty tensor. layout: per projection its part
+// count, then each part's form (`Form`) and output width. kv_caches: per layer K then V (2L).
+// layer_groups [L]: each layer's KV group, which picks from the per-group lists: cos, sin [P, D/2] (the group's
+// rotary table), slots [T] and block_tables [T, max_blocks] int64, windows (0: full attention). positions,
+// seq_lens [T] int64. gelu: the MLP gate is tanh-GELU (GeGLU), else SiLU.
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,
                    const std::vector<int64_t>& layout,
-                   std::vector<torch::Tensor>& kv_caches, const torch::Tensor& positions, const torch::Tensor& cos,
-                   const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_table,
+                   std::vector<torch::Tensor>& kv_caches, const std::vector<int64_t>& layer_groups,
+                   const torch::Tensor& positions, const std::vector<torch::Tensor>& cos,
+                   const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& slots,
+                   const std::vector<torch::Tensor>& block_tables, const std::vector<int64_t>& windows,
                    const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   double scale, double eps, const torch::Tensor& final_norm, torch::Tensor& final_out) {
-  const int64_t layers = static_cast<int64_t>(norms.size()) / 2;
-  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * layers && static_cast<int64_t>(kv_caches.size()) == 2 * layers,
-              "decode_layers: expected 2 norms and a K/V pair per layer");
+                   double scale, double eps, bool gelu, const torch::Tensor& final_norm, torch::Tensor& final_out) {
+  const int64_t layers = static_cast<int64_t>(layer_groups.size());
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == kNormsPerLayer * layers &&
+                  static_cast<int64_t>(kv_caches.size()) == 2 * layers,
+              "decode_layers: expected 6 norms and a K/V pair per layer");
   const std::vector<Projection> projections = read_projections(matrices, scales, layout, kProjectionsPerLayer * layers);
+  const size_t groups = windows.size();
+  TORCH_CHECK(cos.size() == groups && sin.size() == groups && slots.size() == groups &&
+                  block_tables.size() == groups,
+              "decode_layers: expected a rotary table, slots, a block table and a window per KV group");
+  for (int64_t group : layer_groups) {
+    TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(groups), "decode_layers: a layer's KV group is out of range");
+  }
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32,
               "decode_layers: hidden must be float32 [T, H]");
   const int64_t tokens = hidden.size(0), hidden_size = hidden.size(1);
-  TORCH_CHECK(block_table.size(0) == tokens && seq_lens.numel() == tokens,
-              "decode_layers: one sequence per token expected (a pure decode step)");
+  for (const torch::Tensor& table : block_tables) {
+    TORCH_CHECK(table.size(0) == tokens && seq_lens.numel() == tokens,
+                "decode_layers: one sequence per token expected (a pure decode step)");
+  }
   const auto f32 = hidden.options();
   torch::Tensor q = torch::empty({tokens, num_heads, head_dim}, f32);
   torch::Tensor k = torch::empty({tokens, num_kv_heads, head_dim}, f32);
   torch::Tensor v = torch::empty_like(k);
   torch::Tensor attended = torch::empty({tokens, num_heads, head_dim}, f32);
+  const torch::Tensor no_norm = torch::empty({0}, f32);
   torch::Tensor delta = torch::empty({0}, f32);  // the previous layer's MLP output, added inside the next norm
+  const torch::Tensor* delta_norm = &no_norm;  // and the norm it gets first (Gemma's post-feedforward norm)
   for (int64_t layer = 0; layer < layers; ++layer) {
     const int64_t w = layer * kProjectionsPerLayer;
     const Projection &qkv = projections[w], &o_proj = projections[w + 1];
     const Projection &gate_up = projections[w + 2], &down = projections[w + 3];
+    const torch::Tensor* norm = &norms[kNormsPerLayer * layer];  // input, attn out, mlp in, mlp out, q, k
+    const int64_t g = layer_groups[layer];
     torch::Tensor& key_cache = kv_caches[2 * layer];
     torch::Tensor& value_cache = kv_caches[2 * layer + 1];
 
     torch::Tensor normed = torch::empty({tokens, hidden_size}, f32.dtype(qkv.input_dtype()));
-    add_rms_norm(hidden, delta, norms[2 * layer], eps, normed);
+    add_rms_norm(hidden, delta, *delta_norm, norm[0], eps, normed);
     torch::Tensor qkv_out = qkv(normed).contiguous();
-    rope_write_kv(qkv_out, positions, cos, sin, slots, key_cache, value_cache, q, k, v);
-    paged_decode_attention(q, key_cache, value_cache, block_table, seq_lens, scale, attended);
+    rope_write_kv(qkv_out, positions, cos[g], sin[g], slots[g], norm[4], norm[5], eps, key_cache, value_cache, q, k,
+                  v);
+    paged_decode_attention(q, key_cache, value_cache, block_tables[g], seq_lens, scale, attended, windows[g]);
     torch::Tensor o_out = o_proj(attended.view({tokens, num_heads * head_dim}).to(o_proj.input_dtype())).contiguous();
     normed = torch::empty({tokens, hidden_size}, f32.dtype(gate_up.input_dtype()));
-    add_rms_norm(hidden, o_out, norms[2 * layer + 1], eps, normed);
+    add_rms_norm(hidden, o_out, norm[1], norm[2], eps, normed);
     torch::Tensor gate_up_out = gate_up(normed).contiguous();
     torch::Tensor activated = torch::empty({tokens, gate_up_out.size(1) / 2}, f32.dtype(down.input_dtype()));
-    silu_mul(gate_up_out, activated);
+    if (gelu) gelu_tanh_mul(gate_up_out, activated);
+    else silu_mul(gate_up_out, activated);
     delta = down(activated).contiguous();
+    delta_norm = &norm[3];
   }
-  add_rms_norm(hidden, delta, final_norm, eps, final_out);
+  add_rms_norm(hidden, delta, *delta_norm, final_norm, eps, final_out);
 }

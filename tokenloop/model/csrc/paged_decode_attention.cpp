@@ -4,6 +4,8 @@
 // again in SDPA, roughly tripling the K/V memory traffic that dominates long-context decode on CPU.
 // This kernel reads each cached K/V row once, in place, through the block table. A bfloat16 cache halves
 // those bytes; its rows are widened to float32 as they are loaded (a 16-bit shift), so the sums stay fp32.
+// A sliding-window layer attends only the `window` latest keys: the walk starts at the block holding the first
+// of them (a sliding KV group's table holds released entries, id -1, before it; docs/kv-groups.md).
 #include "cpu_kernels.h"
 
 #include <torch/extension.h>
@@ -42,12 +44,16 @@ inline void axpy(float alpha, const KV* __restrict x, float* __restrict y, int64
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * widen(x[i]);
 }
 
-// Calls fn(position, slot) for positions [0, len) of one sequence, block by block (no division per position).
+// Calls fn(index, slot) for positions [first, len) of one sequence (index = position - first), block by block
+// (no division per position).
 template <typename Fn>
-inline void for_each_slot(const int64_t* table_row, int64_t len, int64_t block_size, Fn&& fn) {
-  for (int64_t start = 0, block = 0; start < len; start += block_size, ++block) {
-    const int64_t base = table_row[block] * block_size, count = std::min(block_size, len - start);
-    for (int64_t offset = 0; offset < count; ++offset) fn(start + offset, base + offset);
+inline void for_each_slot(const int64_t* table_row, int64_t first, int64_t len, int64_t block_size, Fn&& fn) {
+  for (int64_t block = first / block_size, start = block * block_size; start < len; start += block_size, ++block) {
+    TORCH_CHECK(table_row[block] >= 0, "paged_decode_attention: a released block inside the attended span");
+    const int64_t base = table_row[block] * block_size;
+    for (int64_t pos = std::max(start, first), stop = std::min(start + block_size, len); pos < stop; ++pos) {
+      fn(pos - first, base + pos - start);
+    }
   }
 }
 
@@ -79,14 +85,15 @@ inline __m512 load16(const BFloat16* p) {
 // One (sequence, KV head) item for G query heads of D16 x 16 dims: the queries and the G output rows stay in
 // registers while each K and V row is read once (the generic loop reloads them and its output per row).
 template <typename KV, int G, int D16>
-void attend_in_registers(const float* qb, const KV* k, const KV* v, const int64_t* table_row, int64_t len,
-                         int64_t block_size, int64_t row_stride, float scale, float* scores, float* ob) {
+void attend_in_registers(const float* qb, const KV* k, const KV* v, const int64_t* table_row, int64_t first,
+                         int64_t end, int64_t block_size, int64_t row_stride, float scale, float* scores, float* ob) {
+  const int64_t len = end - first;  // keys attended: the stride of the score rows
   __m512 q[G][D16];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 8
     for (int j = 0; j < D16; ++j) q[g][j] = _mm512_loadu_ps(qb + g * D16 * 16 + j * 16);
-  for_each_slot(table_row, len, block_size, [&](int64_t pos, int64_t slot) {
+  for_each_slot(table_row, first, end, block_size, [&](int64_t pos, int64_t slot) {
     const KV* krow = k + slot * row_stride;
     __m512 kv[D16];
 #pragma GCC unroll 8
@@ -105,7 +112,7 @@ void attend_in_registers(const float* qb, const KV* k, const KV* v, const int64_
   for (int g = 0; g < G; ++g)
 #pragma GCC unroll 8
     for (int j = 0; j < D16; ++j) acc[g][j] = _mm512_setzero_ps();
-  for_each_slot(table_row, len, block_size, [&](int64_t pos, int64_t slot) {
+  for_each_slot(table_row, first, end, block_size, [&](int64_t pos, int64_t slot) {
     const KV* vrow = v + slot * row_stride;
 #pragma GCC unroll 8
     for (int j = 0; j < D16; ++j) {
@@ -134,10 +141,11 @@ inline __m256 load8(const BFloat16* p) {
 // dot products are reduced together by horizontal adds (the generic loop reduced each one alone); then the
 // output is built in slices of C x 8 dims, the slice's G rows in registers while every V row's slice streams by.
 template <typename KV, int G, int D8>
-void attend_in_registers(const float* qb, const KV* k, const KV* v, const int64_t* table_row, int64_t len,
-                         int64_t block_size, int64_t row_stride, float scale, float* scores, float* ob) {
+void attend_in_registers(const float* qb, const KV* k, const KV* v, const int64_t* table_row, int64_t first,
+                         int64_t end, int64_t block_size, int64_t row_stride, float scale, float* scores, float* ob) {
+  const int64_t len = end - first;  // keys attended: the stride of the score rows
   static_assert(G >= 1 && G <= 4, "1-4 query heads per KV head");
-  for_each_slot(table_row, len, block_size, [&](int64_t pos, int64_t slot) {
+  for_each_slot(table_row, first, end, block_size, [&](int64_t pos, int64_t slot) {
     const KV* krow = k + slot * row_stride;
     __m256 sum[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
 #pragma GCC unroll 16
@@ -162,7 +170,7 @@ void attend_in_registers(const float* qb, const KV* k, const KV* v, const int64_
     for (int g = 0; g < G; ++g)
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) acc[g][c] = _mm256_setzero_ps();
-    for_each_slot(table_row, len, block_size, [&](int64_t pos, int64_t slot) {
+    for_each_slot(table_row, first, end, block_size, [&](int64_t pos, int64_t slot) {
       const KV* vrow = v + slot * row_stride + base * 8;
       __m256 weight[G];
 #pragma GCC unroll 4
@@ -186,8 +194,8 @@ constexpr int kLanes = 8;
 
 #ifdef TOKENLOOP_REGISTER_ATTENTION
 template <typename KV>
-using AttendFn = void (*)(const float*, const KV*, const KV*, const int64_t*, int64_t, int64_t, int64_t, float,
-                          float*, float*);
+using AttendFn = void (*)(const float*, const KV*, const KV*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
+                          float, float*, float*);
 
 // The register kernel for this shape: head_dim 64 or 128, 1-4 query heads per KV head; nullptr otherwise.
 template <typename KV>
@@ -207,7 +215,7 @@ AttendFn<KV> register_kernel(int64_t group, int64_t head_dim) {
 template <typename KV>
 void attend_all(const float* q, const KV* k, const KV* v, const int64_t* table, const int64_t* lens, float* o,
                 int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                int64_t max_blocks, float fscale) {
+                int64_t max_blocks, float fscale, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim;  // between consecutive slots
 #ifdef TOKENLOOP_REGISTER_ATTENTION
@@ -220,7 +228,9 @@ void attend_all(const float* q, const KV* k, const KV* v, const int64_t* table, 
       const int64_t b = item / num_kv_heads, kvh = item % num_kv_heads;
       const int64_t len = lens[b];
       TORCH_CHECK(len > 0 && len <= max_blocks * block_size, "sequence length out of range");
-      scores.assign(group * len, 0.f);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // the first key attended
+      const int64_t count = len - first;
+      scores.assign(group * count, 0.f);
       const float* qb = q + (b * num_heads + kvh * group) * head_dim;
       float* ob = o + (b * num_heads + kvh * group) * head_dim;
       const int64_t* table_row = table + b * max_blocks;
@@ -228,19 +238,19 @@ void attend_all(const float* q, const KV* k, const KV* v, const int64_t* table, 
       const KV* v_head = v + kvh * head_dim;
 #ifdef TOKENLOOP_REGISTER_ATTENTION
       if (in_registers != nullptr) {
-        in_registers(qb, k_head, v_head, table_row, len, block_size, row_stride, fscale, scores.data(), ob);
+        in_registers(qb, k_head, v_head, table_row, first, len, block_size, row_stride, fscale, scores.data(), ob);
         continue;
       }
 #endif
-      for_each_slot(table_row, len, block_size, [&](int64_t pos, int64_t slot) {
+      for_each_slot(table_row, first, len, block_size, [&](int64_t index, int64_t slot) {
         const KV* krow = k_head + slot * row_stride;
-        for (int64_t g = 0; g < group; ++g) scores[g * len + pos] = dot(qb + g * head_dim, krow, head_dim) * fscale;
+        for (int64_t g = 0; g < group; ++g) scores[g * count + index] = dot(qb + g * head_dim, krow, head_dim) * fscale;
       });
-      softmax_rows(scores.data(), group, len);
+      softmax_rows(scores.data(), group, count);
       std::fill(ob, ob + group * head_dim, 0.f);
-      for_each_slot(table_row, len, block_size, [&](int64_t pos, int64_t slot) {
+      for_each_slot(table_row, first, len, block_size, [&](int64_t index, int64_t slot) {
         const KV* vrow = v_head + slot * row_stride;
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + pos], vrow, ob + g * head_dim, head_dim);
+        for (int64_t g = 0; g < group; ++g) axpy(scores[g * count + index], vrow, ob + g * head_dim, head_dim);
       });
     }
   });
@@ -250,10 +260,10 @@ void attend_all(const float* q, const KV* k, const KV* v, const int64_t* table, 
 
 // query [B, H, D] float32; key_cache/value_cache [num_blocks, block_size, KVH, D], both float32 or both
 // bfloat16 (the KV cache's dtype); block_table [B, max_blocks]; seq_lens [B]; out [B, H, D] float32.
-// All contiguous, indices int64.
+// All contiguous, indices int64. window > 0: each query attends only its `window` latest keys (itself included).
 void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
                             const torch::Tensor& value_cache, const torch::Tensor& block_table,
-                            const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+                            const torch::Tensor& seq_lens, double scale, torch::Tensor& out, int64_t window) {
   const bool bf16 = key_cache.dtype() == torch::kBFloat16;
   TORCH_CHECK(query.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32 &&
                   (bf16 || key_cache.dtype() == torch::kFloat32) && value_cache.dtype() == key_cache.dtype(),
@@ -269,25 +279,30 @@ void paged_decode_attention(const torch::Tensor& query, const torch::Tensor& key
   if (bf16) {
     attend_all(query.data_ptr<float>(), key_cache.data_ptr<BFloat16>(), value_cache.data_ptr<BFloat16>(), table,
                lens, out.data_ptr<float>(), batch, num_heads, num_kv_heads, head_dim, block_size,
-               block_table.size(1), fscale);
+               block_table.size(1), fscale, window);
   } else {
     attend_all(query.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), table, lens,
                out.data_ptr<float>(), batch, num_heads, num_kv_heads, head_dim, block_size, block_table.size(1),
-               fscale);
+               fscale, window);
   }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache", py::arg("query"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("out"), py::arg("window") = 0);
+  // What attention.AttentionMetadata asks of a decode kernel before it hands it a sliding group's rows.
+  m.attr("decode_attention_window") = true;
   m.def("q8_0_tiled_matmul", &q8_0_tiled_matmul, "x @ W.T for Q8_0 weights in 16-column tiles, float32 in and out");
   m.def("int4_dot_matmul", &int4_dot_matmul, "x @ W.T for 4-bit codes with per-32 d and m, int8 dot products");
   m.def("q8_0_dot_matmul", &q8_0_dot_matmul, "x @ W.T for Q8_0 codes, int8 dot products, float32 in and out");
   m.def("kquant_dot_matmul", &kquant_dot_matmul, "x @ W.T for Q5_K / Q6_K codes, int8 dot products");
   m.def("int8_dot_native", &int8_dot_native, "whether the int8 dot kernels run AVX512-VNNI or AVX2 (else plain loops)");
   m.def("compiled_isa", &compiled_isa, "the instruction sets this build targets, space-separated");
-  m.def("add_rms_norm", &add_rms_norm, "residual += delta; out = RMSNorm(residual)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += delta (or RMSNorm(delta)); out = RMSNorm(residual)");
   m.def("silu_mul", &silu_mul, "out = silu(gate) * up");
-  m.def("rope_write_kv", &rope_write_kv, "rotate Q/K, store K/V at their slots");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "out = gelu_tanh(gate) * up");
+  m.def("rope_write_kv", &rope_write_kv, "QK-norm and rotate Q/K, store K/V at their slots");
   m.def("q4_unpack", &q4_unpack, "Q4_0 / Q4_1 bytes with d and m -> a dense float32 or bf16 matrix");
   // Runs for the whole step's forward: other Python threads (the engine core's I/O) must not wait on it.
   m.def("decode_layers", &decode_layers, "all decoder layers of a pure decode step",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -28,3 +30,22 @@ def offset_norm_weight(weight: torch.Tensor) -> torch.Tensor:
     """Gemma's RMSNorm scales by (1 + w): the 1 folded into the weight once, so `rms_norm` runs it (in fp32
     the same numbers as adding it at every call)."""
     return weight + 1.0
+
+
+@dataclass(frozen=True)
+class LayerNorms:
+    """A decoder layer's norm weights by place, None where the layer has none: what the fused CPU kernels take
+    (Llama: input and feed-forward input; Qwen3 adds the Q and K heads'; Gemma 3 also normalizes the attention's
+    and the MLP's outputs before each residual add)."""
+
+    input: torch.Tensor
+    attention_output: torch.Tensor | None
+    feed_forward_input: torch.Tensor
+    feed_forward_output: torch.Tensor | None
+    q_heads: torch.Tensor | None
+    k_heads: torch.Tensor | None
+
+    def in_order(self, absent: torch.Tensor) -> list[torch.Tensor]:
+        """The six in the kernels' order, `absent` (an empty tensor) standing for each missing one."""
+        return [absent if w is None else w for w in (self.input, self.attention_output, self.feed_forward_input,
+                                                     self.feed_forward_output, self.q_heads, self.k_heads)]

@@ -24,7 +24,7 @@ from tokenloop.model.attention import AttentionMetadata, paged_attention
 from tokenloop.model.layers import kv
 from tokenloop.model.layers.linear import linear
 from tokenloop.model.layers.mlp import gated_mlp, gelu_tanh
-from tokenloop.model.layers.norm import head_rms_norm_, offset_norm_weight, rms_norm
+from tokenloop.model.layers.norm import LayerNorms, head_rms_norm_, offset_norm_weight, rms_norm
 from tokenloop.model.layers.rotary import (
     RotaryTables,
     apply_rope,
@@ -45,13 +45,17 @@ class Gemma3LayerWeights(LayerWeights):
     pre_feedforward_norm: torch.Tensor | None = None
     post_feedforward_norm: torch.Tensor | None = None
 
+    def norms(self) -> LayerNorms:
+        assert self.pre_feedforward_norm is not None
+        return LayerNorms(self.input_norm, self.post_attention_norm, self.pre_feedforward_norm,
+                          self.post_feedforward_norm, self.q_norm, self.k_norm)
+
 
 class Gemma3Model(LlamaModel):
-    """Gemma 3's text decoder. Its layer is not the one the fused CPU kernels know, so it runs the op path
-    (the C++ decode attention still serves the global layers)."""
+    """Gemma 3's text decoder. On the CPU the fused kernels run its layer (its norms by place, GeGLU, each
+    layer's KV group with its rotary table and window); elsewhere `decoder_layers` below runs it op by op."""
 
-    fused_layer_ops: ClassVar[bool] = False
-    fused_decode_loop: ClassVar[bool] = False
+    mlp_activation: ClassVar[str] = "gelu_tanh"
 
     def __init__(self, config: ModelConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
@@ -70,6 +74,12 @@ class Gemma3Model(LlamaModel):
 
     def kv_groups(self) -> tuple[KVGroup, ...]:
         return self._kv_groups
+
+    def attention_places(self) -> list[tuple[int, int]]:
+        return [self._kv_places[index] for index in range(len(self.layers))]
+
+    def group_rotary(self, group: int) -> RotaryTables:
+        return self.local_rotary if self._kv_groups[group].kind == "sliding" else self.rotary
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """One K/V pair per layer of a group, [num_blocks, block_size, num_kv_heads, head_dim] each."""

@@ -25,7 +25,7 @@ from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.layers import kv
 from tokenloop.model.layers.linear import LMHead, Weight, linear
 from tokenloop.model.layers.mlp import Adapt, gated_mlp
-from tokenloop.model.layers.norm import head_rms_norm_, rms_norm
+from tokenloop.model.layers.norm import LayerNorms, head_rms_norm_, rms_norm
 from tokenloop.model.layers.rotary import RotaryTables, apply_rope, longrope_frequencies, rope_inverse_frequencies
 from tokenloop.model.lora_slots import LoRABatch
 from tokenloop.model.quantized import PackedLinear, PackThresholds, QuantizedEmbedding
@@ -45,6 +45,10 @@ class LayerWeights:
     down: Weight | None
     q_norm: torch.Tensor | None = None  # [D]: RMSNorm of each Q head before rotary (Qwen3)
     k_norm: torch.Tensor | None = None
+
+    def norms(self) -> LayerNorms:
+        """The norms by place: `post_attention_norm` is the MLP's input norm in Llama's layer."""
+        return LayerNorms(self.input_norm, None, self.post_attention_norm, None, self.q_norm, self.k_norm)
 
 
 class LayerTicker(Protocol):
@@ -66,9 +70,11 @@ class LlamaModel:
     """A Llama-family decoder. Build it with `from_weights`, run it with `forward`."""
 
     # Capabilities (model/fused_cpu.py): whether this family's layer runs on the fused CPU kernels, and
-    # whether a pure decode step may run all its layers in the one C++ call, which knows plain Llama only.
+    # whether a pure decode step may run all its layers in the one C++ call. The kernels know the layers whose
+    # norms `LayerWeights.norms` names, with the MLP gate `mlp_activation` ("silu" or "gelu_tanh").
     fused_layer_ops: ClassVar[bool] = True
     fused_decode_loop: ClassVar[bool] = True
+    mlp_activation: ClassVar[str] = "silu"
 
     def __init__(
         self,
@@ -232,6 +238,14 @@ class LlamaModel:
         that releases what their window has passed states its own (Gemma 3)."""
         return (KVGroup("full", 0, tuple(range(len(self.layers)))),)
 
+    def attention_places(self) -> list[tuple[int, int]]:
+        """Per layer, its KV group (the index of its `AttentionMetadata`) and its K/V pair in the cache list."""
+        return [(0, index) for index in range(len(self.layers))]
+
+    def group_rotary(self, group: int) -> RotaryTables:
+        """The rotary tables of KV group `group`'s layers."""
+        return self.rotary
+
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim], zeroed."""
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
@@ -257,7 +271,6 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         self.last_weight_form = self.weight_form(num_tokens)
         if self.fused_ops is not None:
-            assert isinstance(attn, AttentionMetadata), "the fused path knows one KV group"
             return fused_cpu.forward_fused(self, input_ids, positions, attn, kv_caches, logits_indices, lora)
         hidden = self.embed_tokens(input_ids)
         hidden = self.decoder_layers(hidden, positions, attn, kv_caches, *(() if lora is None else (lora,)))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 from tokenloop.config import ModelConfig
 from tokenloop.model.models.llama import LayerWeights, LlamaModel
@@ -11,10 +10,7 @@ from tokenloop.model.weights import WeightSource
 
 
 class Qwen3Model(LlamaModel):
-    """Qwen3 (dense). The per-layer fused kernels run it with the QK-norm between them; the one-call C++
-    decode loop has no QK-norm, so this family does not declare it."""
-
-    fused_decode_loop: ClassVar[bool] = False
+    """Qwen3 (dense): the fused kernels run its QK-norm (`LayerWeights.norms` names the Q and K heads' norms)."""
 
     @classmethod
     def tensor_names(cls, config: ModelConfig) -> list[str]:
