@@ -101,7 +101,7 @@ def layers_fusable(layers: list[LayerWeights]) -> bool:
     """Whether the elementwise kernels can read every layer's GEMM outputs: fp32 or bf16 (so no fp16 matrix)
     and no QKV bias."""
     forms = (torch.float32, torch.bfloat16)
-    return all(layer.qkv_bias is None and all(isinstance(w, PackedLinear) or w.dtype in forms
+    return all(layer.qkv_bias is None and all(w is not None and (isinstance(w, PackedLinear) or w.dtype in forms)
                                               for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
                for layer in layers)
 

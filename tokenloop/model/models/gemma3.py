@@ -30,6 +30,7 @@ from tokenloop.model.layers.rotary import (
     apply_rope,
     rope_inverse_frequencies,
 )
+from tokenloop.model.lora_slots import LoRABatch
 from tokenloop.model.models.llama import LayerWeights, LlamaModel
 from tokenloop.model.weights import WeightSource
 
@@ -122,8 +123,12 @@ class Gemma3Model(LlamaModel):
 
     def decoder_layers(self, hidden: torch.Tensor, positions: torch.Tensor,
                        attn: AttentionMetadata | list[AttentionMetadata],
-                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """`attn`: one layout per KV group (a single one stands for every group of a one-group split)."""
+                       kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       lora: LoRABatch | None = None) -> torch.Tensor:
+        """`attn`: one layout per KV group (a single one stands for every group of a one-group split). The op
+        path runs no adapters (a Gemma 3 model refuses LoRA at load)."""
+        if lora is not None:
+            raise ValueError("LoRA adapters are not served for Gemma 3 on the op path")
         cfg = self.config
         num_tokens = hidden.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
