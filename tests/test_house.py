@@ -12,23 +12,11 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "tokenloop"
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 400
 FUNCTION_MARKER = "# long:"
 MODULE_MARKER = "Long module:"
-
-# TEMPORARY (issue 31, for the lead): files another branch owns this session (the step-overhead helper splits
-# the engine core's rooms; fused_cpu.py is the model helper's). Remove each line once its file is split or
-# marked after merging; the test fails on a line that no longer applies.
-OWNED_BY_ANOTHER_BRANCH_FUNCTIONS: frozenset[tuple[str, str]] = frozenset({
-    ("model/fused_cpu.py", "forward_fused"),
-})
-OWNED_BY_ANOTHER_BRANCH_MODULES: frozenset[str] = frozenset({
-})
-
 
 def _functions(tree: ast.Module) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
     for node in ast.walk(tree):
@@ -89,25 +77,13 @@ def test_the_checker_reads_markers(tmp_path: Path) -> None:
 
 def test_no_long_function_without_a_reason() -> None:
     functions, _ = long_pieces()
-    unmarked = {(module, name) for module, name, _ in functions}
-    stale = sorted(OWNED_BY_ANOTHER_BRANCH_FUNCTIONS - unmarked)
-    assert not stale, f"no longer long or now marked: remove from OWNED_BY_ANOTHER_BRANCH_FUNCTIONS: {stale}"
-    found = sorted(f"{module} {name}: {lines} lines" for module, name, lines in functions
-                   if (module, name) not in OWNED_BY_ANOTHER_BRANCH_FUNCTIONS)
+    found = sorted(f"{module} {name}: {lines} lines" for module, name, lines in functions)
     assert not found, (f"functions over {MAX_FUNCTION_LINES} lines: split them, or say why they are one piece in a "
                        f"`{FUNCTION_MARKER}` comment above the def:\n  " + "\n  ".join(found))
 
 
-@pytest.mark.parametrize("owned", sorted(OWNED_BY_ANOTHER_BRANCH_MODULES))
-def test_modules_held_out_are_still_long(owned: str) -> None:
-    _, modules = long_pieces()
-    assert owned in {module for module, _ in modules}, \
-        f"{owned} is no longer long or is now marked: remove it from OWNED_BY_ANOTHER_BRANCH_MODULES"
-
-
 def test_no_long_module_without_a_reason() -> None:
     _, modules = long_pieces()
-    found = sorted(f"{module}: {lines} lines" for module, lines in modules
-                   if module not in OWNED_BY_ANOTHER_BRANCH_MODULES)
+    found = sorted(f"{module}: {lines} lines" for module, lines in modules)
     assert not found, (f"modules over {MAX_MODULE_LINES} lines: split them by stage, or say why they are one room "
                        f"in a `{MODULE_MARKER}` line of the docstring:\n  " + "\n  ".join(found))

@@ -9,21 +9,25 @@ layer its KV group (`attention_places`), whose layout, rotary table (`group_rota
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from tokenloop.config import KVGroup, ModelConfig
 from tokenloop.model.attention import AttentionMetadata, paged_attention
 from tokenloop.model.int8_dot import Int4DotWeight, Q8DotWeight
 from tokenloop.model.kquant_dot import KQuantDotWeight
+from tokenloop.model.layers.layer_weights import LayerWeights
 from tokenloop.model.layers.linear import Weight, input_dtype, project
+from tokenloop.model.layers.rotary import RotaryTables
 from tokenloop.model.quantized import Int4Weight, Pack, PackedLinear, Q8Weight, RowStack
 
 if TYPE_CHECKING:
     from tokenloop.model.lora_slots import LoRABatch
-    from tokenloop.model.models.llama import LayerWeights, LlamaModel
 
 
 class ProjectionForm(IntEnum):
@@ -127,8 +131,41 @@ def plan_decode(layers: list[LayerWeights], rows: int) -> DecodePlan | None:
     return DecodePlan(norms, matrices, scales, layout)
 
 
+class _Ticker(Protocol):
+    def tick(self) -> None: ...
+
+
+class FusedModel(Protocol):
+    """What the fused forward reads of a model (models/llama.py's `LlamaModel` and the families built on it),
+    named here so that this room below the families does not import them."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def fused_ops(self) -> ModuleType | None: ...
+    @property
+    def fused_decode(self) -> bool: ...
+    @property
+    def layers(self) -> Sequence[LayerWeights]: ...
+    @property
+    def scale(self) -> float: ...
+    @property
+    def final_norm(self) -> torch.Tensor: ...
+    @property
+    def mlp_activation(self) -> str: ...
+    @property
+    def progress(self) -> _Ticker: ...
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def kv_groups(self) -> tuple[KVGroup, ...]: ...
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def attention_places(self) -> list[tuple[int, int]]: ...
+    def group_rotary(self, group: int) -> RotaryTables: ...
+    def decode_plan(self, rows: int) -> DecodePlan | None: ...
+
+
 def forward_fused(
-    model: LlamaModel,
+    model: FusedModel,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     attn: AttentionMetadata | list[AttentionMetadata],
@@ -147,21 +184,11 @@ def forward_fused(
     num_tokens = input_ids.shape[0]
     positions = positions.contiguous()
     hidden = model.embed_tokens(input_ids).contiguous()  # the fp32 residual stream, updated in place
-    places = model.attention_places()
-    eps = cfg.rms_norm_eps
+    places, eps = model.attention_places(), cfg.rms_norm_eps
     if lora is None and model.fused_decode and all(_pure_decode(layout, num_tokens) for layout in layouts):
         plan = model.decode_plan(num_tokens)
         if plan is not None:  # a pure decode step: the same sequence of kernels, with no Python between layers
-            final = torch.empty(num_tokens, cfg.hidden_size)
-            decodes = [layout.decode for layout in layouts if layout.decode is not None]
-            rotaries = [model.group_rotary(group) for group in range(len(layouts))]
-            ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales, plan.layout,
-                              [cache for _, pair in places for cache in kv_caches[pair]], [g for g, _ in places],
-                              positions, [r.cos for r in rotaries], [r.sin for r in rotaries],
-                              [layout.slot_mapping for layout in layouts], [d.block_table for d in decodes],
-                              [layout.window for layout in layouts], decodes[0].seq_lens, cfg.num_heads,
-                              cfg.num_kv_heads, cfg.head_dim, model.scale, eps, model.mlp_activation == "gelu_tanh",
-                              model.final_norm, final)
+            final = _decode_all_layers(model, plan, hidden, positions, layouts, kv_caches)
             if logits_indices is not None:
                 final = final.index_select(0, logits_indices)
             return model.lm_head(final)
@@ -197,6 +224,25 @@ def forward_fused(
     if logits_indices is not None:
         final = final.index_select(0, logits_indices)
     return model.lm_head(final)
+
+
+def _decode_all_layers(model: FusedModel, plan: DecodePlan, hidden: torch.Tensor, positions: torch.Tensor,
+                       layouts: list[AttentionMetadata], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> torch.Tensor:
+    """Every layer of a pure decode step in one C++ call (`decode_layers`): the final norm's output [T, hidden]."""
+    cfg, ops, places = model.config, model.fused_ops, model.attention_places()
+    assert ops is not None
+    final = torch.empty(hidden.shape[0], cfg.hidden_size)
+    decodes = [layout.decode for layout in layouts if layout.decode is not None]
+    rotaries = [model.group_rotary(group) for group in range(len(layouts))]
+    ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales, plan.layout,
+                      [cache for _, pair in places for cache in kv_caches[pair]], [g for g, _ in places],
+                      positions, [r.cos for r in rotaries], [r.sin for r in rotaries],
+                      [layout.slot_mapping for layout in layouts], [d.block_table for d in decodes],
+                      [layout.window for layout in layouts], decodes[0].seq_lens, cfg.num_heads,
+                      cfg.num_kv_heads, cfg.head_dim, model.scale, cfg.rms_norm_eps,
+                      model.mlp_activation == "gelu_tanh", model.final_norm, final)
+    return final
 
 
 def _pure_decode(layout: AttentionMetadata, num_tokens: int) -> bool:

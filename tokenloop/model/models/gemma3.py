@@ -22,6 +22,7 @@ import torch
 from tokenloop.config import KVGroup, ModelConfig, RopeScaling
 from tokenloop.model.attention import AttentionMetadata, paged_attention
 from tokenloop.model.layers import kv
+from tokenloop.model.layers.layer_weights import LayerWeights
 from tokenloop.model.layers.linear import linear
 from tokenloop.model.layers.mlp import gated_mlp, gelu_tanh
 from tokenloop.model.layers.norm import LayerNorms, head_rms_norm_, offset_norm_weight, rms_norm
@@ -31,7 +32,7 @@ from tokenloop.model.layers.rotary import (
     rope_inverse_frequencies,
 )
 from tokenloop.model.lora_slots import LoRABatch
-from tokenloop.model.models.llama import LayerWeights, LlamaModel
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.weights import WeightSource
 
 _NORMS = ("input_norm", "post_attention_norm", "pre_feedforward_norm", "post_feedforward_norm", "q_norm",

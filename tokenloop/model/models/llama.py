@@ -11,7 +11,6 @@ checkpoint holds and how a layer's weights are built, and the capabilities below
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from types import ModuleType
 from typing import ClassVar, Protocol
 
@@ -23,32 +22,14 @@ from tokenloop.model import fused_cpu
 from tokenloop.model.attention import AttentionMetadata, paged_attention, triton_attention_kernels
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.layers import kv
+from tokenloop.model.layers.layer_weights import LayerWeights
 from tokenloop.model.layers.linear import LMHead, Weight, linear
 from tokenloop.model.layers.mlp import Adapt, gated_mlp
-from tokenloop.model.layers.norm import LayerNorms, head_rms_norm_, rms_norm
+from tokenloop.model.layers.norm import head_rms_norm_, rms_norm
 from tokenloop.model.layers.rotary import RotaryTables, apply_rope, longrope_frequencies, rope_inverse_frequencies
 from tokenloop.model.lora_slots import LoRABatch
 from tokenloop.model.quantized import PackedLinear, PackThresholds, QuantizedEmbedding
 from tokenloop.model.weights import WeightSource
-
-
-@dataclass
-class LayerWeights:
-    """One decoder layer's weights, in the forms they run."""
-
-    input_norm: torch.Tensor
-    qkv: Weight  # [(H + 2 KVH) * D, hidden]
-    qkv_bias: torch.Tensor | None
-    o_proj: Weight
-    post_attention_norm: torch.Tensor
-    gate_up: Weight | None  # [2 * intermediate, hidden]; None where experts replace the MLP (layers/moe.py)
-    down: Weight | None
-    q_norm: torch.Tensor | None = None  # [D]: RMSNorm of each Q head before rotary (Qwen3)
-    k_norm: torch.Tensor | None = None
-
-    def norms(self) -> LayerNorms:
-        """The norms by place: `post_attention_norm` is the MLP's input norm in Llama's layer."""
-        return LayerNorms(self.input_norm, None, self.post_attention_norm, None, self.q_norm, self.k_norm)
 
 
 class LayerTicker(Protocol):

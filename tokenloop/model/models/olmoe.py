@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenloop.model.layers.layer_weights import LayerWeights
 from tokenloop.model.layers.norm import rms_norm
-from tokenloop.model.models.llama import LayerWeights
 from tokenloop.model.models.qwen3_moe import Qwen3MoeModel
 
 

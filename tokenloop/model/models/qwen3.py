@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from tokenloop.config import ModelConfig
-from tokenloop.model.models.llama import LayerWeights, LlamaModel
+from tokenloop.model.layers.layer_weights import LayerWeights
+from tokenloop.model.models.llama import LlamaModel
 from tokenloop.model.weights import WeightSource
 
 

@@ -10,10 +10,10 @@ from typing import ClassVar
 import torch
 
 from tokenloop.config import ModelConfig
+from tokenloop.model.layers.layer_weights import LayerWeights
 from tokenloop.model.layers.linear import Weight
 from tokenloop.model.layers.mlp import Adapt
 from tokenloop.model.layers.moe import MoEWeights, moe_block
-from tokenloop.model.models.llama import LayerWeights
 from tokenloop.model.models.qwen3 import Qwen3Model
 from tokenloop.model.quantized import PackedLinear
 from tokenloop.model.weights import WeightSource

@@ -1,0 +1,30 @@
+"""One decoder layer's weights in the forms they run: what the families build (models/) and what the fused CPU
+forward reads (fused_cpu.py), below both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenloop.model.layers.linear import Weight
+from tokenloop.model.layers.norm import LayerNorms
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights, in the forms they run."""
+
+    input_norm: torch.Tensor
+    qkv: Weight  # [(H + 2 KVH) * D, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: Weight
+    post_attention_norm: torch.Tensor
+    gate_up: Weight | None  # [2 * intermediate, hidden]; None where experts replace the MLP (layers/moe.py)
+    down: Weight | None
+    q_norm: torch.Tensor | None = None  # [D]: RMSNorm of each Q head before rotary (Qwen3)
+    k_norm: torch.Tensor | None = None
+
+    def norms(self) -> LayerNorms:
+        """The norms by place: `post_attention_norm` is the MLP's input norm in Llama's layer."""
+        return LayerNorms(self.input_norm, None, self.post_attention_norm, None, self.q_norm, self.k_norm)
