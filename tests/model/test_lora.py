@@ -256,3 +256,43 @@ def test_offline_lora_request_loads_its_path(tiny_dir: Path, adapter_dirs: dict[
     output = llm.generate([prompt], _greedy(), lora_request=request, use_tqdm=False)[0]
     assert output.outputs[0].token_ids == _peft_greedy(tiny_dir, adapter_dirs["d"], prompt)
     assert [a["name"] for a in llm.engine.core.list_loras()] == ["d"]
+
+
+def test_import_beyond_max_loras_waits_for_a_slot(tiny_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """A request handed to a core whose running requests already use max_loras adapters is not adopted as
+    running (the next step would need one slot more than there are): it waits, and runs to PEFT's tokens
+    once the other adapter's request is done."""
+    from tokenloop.config import build_engine_config
+    from tokenloop.core.engine_core import EngineCore
+    from tokenloop.core.messages import CoreRequest
+    from tokenloop.request import RequestStatus, adapter_cache_salt
+
+    def core() -> EngineCore:
+        return EngineCore(build_engine_config(str(tiny_dir), dtype="float32", block_size=4, num_blocks=64,
+                                              max_loras=1, lora_modules={k: str(adapter_dirs[k]) for k in "ab"}))
+
+    def request(rid: str, prompt: list[int], name: str) -> CoreRequest:
+        return CoreRequest(rid, prompt, _greedy(), 0, cache_salt=adapter_cache_salt(None, name), lora_name=name)
+
+    first, second = _prompts(2, seed=31)
+    source, target = core(), core()
+    source.add_requests([request("moved", second, "b")])
+    target.add_requests([request("local", first, "a")])
+    tokens: dict[str, list[int]] = {"moved": [], "local": []}
+
+    def step(engine: EngineCore) -> None:
+        for out in engine.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+
+    while len(tokens["moved"]) < 3:
+        step(source)
+    step(target)
+    snapshot = source.export_request("moved")
+    assert target.import_request(snapshot).accepted
+    assert source.complete_export(snapshot.lease_id)
+    moved = target.scheduler.get_request("moved")
+    assert moved is not None and moved.status == RequestStatus.WAITING
+    while target.has_unfinished_requests():
+        step(target)
+    assert tokens["local"] == _peft_greedy(tiny_dir, adapter_dirs["a"], first)
+    assert tokens["moved"] == _peft_greedy(tiny_dir, adapter_dirs["b"], second)

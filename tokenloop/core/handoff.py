@@ -255,7 +255,10 @@ class HandoffStage:
         plans = [plan[:usable] for plan in plans]
         whole = usable == len(snapshot.block_hashes) and (
             len(tails) == self.kv.num_groups or computed % self.kv.block_size == 0)
-        if computed and whole and self.scheduler.num_running < self.max_num_seqs:
+        # Running it beside max_loras other adapters would overfill the adapter slots in the next step: it
+        # waits (its K/V kept in the prefix cache) until the scheduler admits it as it admits local requests.
+        adapter_fits = request.lora_name is None or self.scheduler.adapter_fits(request.lora_name)
+        if computed and whole and self.scheduler.num_running < self.max_num_seqs and adapter_fits:
             result = self._adopt(snapshot, request, plans, copies, tails)
         else:
             result = self._queue(snapshot, request, plans, copies)
