@@ -296,3 +296,32 @@ def test_import_beyond_max_loras_waits_for_a_slot(tiny_dir: Path, adapter_dirs: 
         step(target)
     assert tokens["local"] == _peft_greedy(tiny_dir, adapter_dirs["a"], first)
     assert tokens["moved"] == _peft_greedy(tiny_dir, adapter_dirs["b"], second)
+
+
+def test_kv_events_name_the_adapter(tiny_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """Blocks stored for a request of an adapter are published under its name (the base model's under none),
+    and the name survives the wire form the front end and the router receive."""
+    from tokenloop.config import build_engine_config
+    from tokenloop.core.engine_core import EngineCore
+    from tokenloop.core.kv_events import BlockStored, batch_from_wire, batch_to_wire
+    from tokenloop.core.messages import CoreRequest
+    from tokenloop.request import adapter_cache_salt
+
+    core = EngineCore(build_engine_config(str(tiny_dir), dtype="float32", block_size=4, num_blocks=64,
+                                          enable_kv_events=True, lora_modules={"a": str(adapter_dirs["a"])}))
+    prompt = _prompts(3, seed=37)[2]  # 17 tokens: 4 full blocks
+    core.add_requests([CoreRequest("base", prompt, _greedy(), 0),
+                       CoreRequest("lora", prompt, _greedy(), 0, cache_salt=adapter_cache_salt(None, "a"),
+                                   lora_name="a")])
+    stored: dict[str | None, set[int]] = {}
+    while core.has_unfinished_requests():
+        batch = core.step().kv_events
+        if batch is None:
+            continue
+        again = batch_from_wire(batch_to_wire(batch))
+        assert again == batch
+        for event in again.events:
+            if isinstance(event, BlockStored):
+                stored.setdefault(event.lora_name, set()).update(event.block_hashes)
+    assert set(stored) == {None, "a"}
+    assert len(stored["a"]) >= 4 and not stored["a"] & stored[None]  # the same tokens, hashed apart by adapter

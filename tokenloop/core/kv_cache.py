@@ -236,7 +236,7 @@ class BlockPool:
         return True
 
     def publish_recorded(self, blocks: Sequence[KVBlock], block_hashes: Sequence[int], start: int, end: int,
-                         token_ids: Sequence[int], block_size: int) -> None:
+                         token_ids: Sequence[int], block_size: int, lora_name: str | None = None) -> None:
         """`publish` blocks[start:end] under block_hashes[start:end] and record what was indexed.
 
         `blocks`, `block_hashes` and `token_ids` are one sequence's table, chain and tokens. Each run of
@@ -256,7 +256,7 @@ class BlockPool:
                 parent = block_hashes[run_start - 1] if run_start else None
                 event = BlockStored(list(block_hashes[run_start:i]), parent,
                                     list(token_ids[run_start * block_size:i * block_size]), block_size,
-                                    blocks[run_start].group)
+                                    blocks[run_start].group, lora_name)
                 events.record(event)
                 # The blocks point into their event instead of copying their tokens: no list per block,
                 # which would cost more in allocation and garbage collection than the event itself.
@@ -267,12 +267,12 @@ class BlockPool:
                 run_start = -1
 
     def publish_one(self, block: KVBlock, block_hash: int, parent_hash: int | None,
-                    token_ids: Sequence[int], block_size: int) -> bool:
+                    token_ids: Sequence[int], block_size: int, lora_name: str | None = None) -> bool:
         """`publish` one block that came from elsewhere (a handoff's copy), recording it as stored."""
         if not self.publish(block, block_hash):
             return False
         if self.events is not None:
-            event = BlockStored([block_hash], parent_hash, list(token_ids), block_size, block.group)
+            event = BlockStored([block_hash], parent_hash, list(token_ids), block_size, block.group, lora_name)
             self.events.record(event)
             block.stored_event, block.stored_pos = event, 0
         return True
@@ -642,7 +642,7 @@ class KVCacheManager:
         return fresh
 
     def store_cached(self, blocks: Sequence[tuple[int, int | None, Sequence[int]]],
-                     write: Callable[[int, int], None], group: int = 0) -> int:
+                     write: Callable[[int, int], None], group: int = 0, lora_name: str | None = None) -> int:
         """Store full blocks of `group` from elsewhere, unreferenced and reusable: (hash, parent hash, token
         ids) each.
 
@@ -659,7 +659,7 @@ class KVCacheManager:
                 break
             block = self.pool.take(1, group)[0]
             write(block.block_id, i)
-            self.pool.publish_one(block, block_hash, parent_hash, token_ids, self.block_size)
+            self.pool.publish_one(block, block_hash, parent_hash, token_ids, self.block_size, lora_name)
             self.pool.release([block])
             stored += 1
         return stored
@@ -813,7 +813,7 @@ class KVCacheManager:
         for table in tables:
             if self.pool.events is not None:
                 self.pool.publish_recorded(table, request.block_hashes, start, num_full,
-                                           request.all_token_ids, self.block_size)
+                                           request.all_token_ids, self.block_size, request.lora_name)
             else:
                 for i in range(start, num_full):
                     self.pool.publish(table[i], request.block_hashes[i])
