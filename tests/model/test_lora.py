@@ -325,3 +325,27 @@ def test_kv_events_name_the_adapter(tiny_dir: Path, adapter_dirs: dict[str, Path
                 stored.setdefault(event.lora_name, set()).update(event.block_hashes)
     assert set(stored) == {None, "a"}
     assert len(stored["a"]) >= 4 and not stored["a"] & stored[None]  # the same tokens, hashed apart by adapter
+
+
+def test_traces_label_requests_by_adapter(tiny_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """The tracer records which adapter each request ran with (the base model's with none), and the Chrome
+    trace's request spans carry it."""
+    from tokenloop.config import build_engine_config
+    from tokenloop.engine import LLMEngine
+    from tokenloop.observe.tracer import Tracer
+
+    tracer = Tracer()
+    engine = LLMEngine(build_engine_config(str(tiny_dir), dtype="float32", block_size=4, num_blocks=64,
+                                           lora_modules={"a": str(adapter_dirs["a"])}), tracer=tracer)
+    prompt = _prompts(1, seed=41)[0]
+    engine.add_request("with", prompt, _greedy(), lora_request=LoRARequest("a"))
+    engine.add_request("without", prompt, _greedy())
+    while engine.has_unfinished_requests():
+        engine.step()
+    traced = {rid: tracer.get(rid) for rid in ("with", "without")}
+    assert {rid: trace.lora_name for rid, trace in traced.items() if trace is not None} == \
+        {"with": "a", "without": None}
+    spans = [event for event in tracer.chrome_trace("with")["traceEvents"] if event.get("cat") == "phase"]
+    assert spans and all(span["args"]["lora_adapter"] == "a" for span in spans)
+    assert all("lora_adapter" not in span["args"] for span in tracer.chrome_trace("without")["traceEvents"]
+               if span.get("cat") == "phase")
