@@ -84,3 +84,29 @@ def test_kernel_refuses_bad_slots() -> None:
     with pytest.raises(RuntimeError, match="not a slot"):
         KERNELS.lora_sgmv(torch.zeros(1, 16), torch.zeros(1, 8), slots.a[0]["qkv"], slots.bt[0]["qkv"],
                           torch.tensor([2]), slots.width["qkv"], slots.part_columns["qkv"])
+
+
+def test_a_reused_slot_holds_only_its_new_adapter() -> None:
+    """A slot's rows are cleared only where the new adapter writes nothing (rank padding, projections it
+    does not adapt): after a full-rank adapter on every projection, the slot equals a fresh one's."""
+    config = _config(32, 4, 2, 8, 24)
+    gen = torch.Generator().manual_seed(3)
+    reused, fresh = AdapterSlots(config, 1, 8, kernel=KERNELS), AdapterSlots(config, 1, 8, kernel=KERNELS)
+    reused.register(_adapter("full", config, 8, MODULES, torch.float32, gen))
+    reused.slots_for(["full"])
+    partial = _adapter("partial", config, 3, ["k_proj", "up_proj", "o_proj"], torch.float32, gen)
+    reused.register(partial)
+    fresh.register(partial)
+    assert reused.slots_for(["partial"]) == fresh.slots_for(["partial"]) == {"partial": 0}
+    for layer in range(config.num_layers):
+        for kind in FUSED_PROJECTIONS:
+            assert torch.equal(reused.a[layer][kind], fresh.a[layer][kind])
+            assert torch.equal(reused.bt[layer][kind], fresh.bt[layer][kind])
+
+
+def test_adapter_bf16_rounding_equals_torch() -> None:
+    from tokenloop.model.lora import _to_dtype
+
+    values = torch.randn(64, 33, generator=torch.Generator().manual_seed(5)) * 100
+    values[0, :5] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -1.0 - 2**-8, 3e38, -0.0])
+    assert torch.equal(_to_dtype(values.numpy().copy(), torch.bfloat16), values.to(torch.bfloat16))

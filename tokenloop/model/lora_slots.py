@@ -103,22 +103,25 @@ class AdapterSlots:
     def _load(self, adapter: LoRAAdapter, slot: int) -> None:
         """Copy an adapter into a slot, fused as the base projections are: per fused projection, each
         sub-projection's A in its own `max_rank` rows, its B (transposed) in the same rows and its own output
-        columns; everything it does not adapt (and the padding past its rank) zero."""
-        rank = adapter.rank
+        columns; everything it does not adapt (and the padding past its rank) zero. B's blocks outside the
+        diagonal are zero from the start and never written: only the rows written here are cleared."""
+        rank, max_rank = adapter.rank, self.max_rank
         for index, modules in enumerate(adapter.layers):
             for kind, parts in FUSED_PROJECTIONS.items():
                 width = self.width[kind]
                 a, bt = self.a[index][kind], self.bt[index][kind]
-                a[slot * width:(slot + 1) * width].zero_()
-                bt[slot * width:(slot + 1) * width].zero_()
                 column = 0
                 for part, module in enumerate(parts):
                     out_features = self.out_features[module]
                     pair = modules.get(module)
+                    first = slot * width + part * max_rank
+                    filled = 0 if pair is None else rank
                     if pair is not None:
-                        first = slot * width + part * self.max_rank
                         a[first:first + rank].copy_(pair[0])
                         bt[first:first + rank, column:column + out_features].copy_(pair[1].T)
+                    if filled < max_rank:  # what the slot's previous adapter left there
+                        a[first + filled:first + max_rank].zero_()
+                        bt[first + filled:first + max_rank, column:column + out_features].zero_()
                     column += out_features
         self._slot_of[adapter.name] = slot
         self.num_loads += 1
