@@ -15,8 +15,8 @@ from tokenloop.model.lora import FUSED_PROJECTIONS, LoRAAdapter, projection_shap
 from tokenloop.model.lora_slots import AdapterSlots
 
 KERNELS = paged_decode_kernels()
-pytestmark = pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS, "lora_sgmv"),
-                                reason="the C++ CPU kernels are not built here")
+needs_kernel = pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS, "lora_sgmv"),
+                                  reason="the C++ CPU kernels are not built here")
 MODULES = [module for modules in FUSED_PROJECTIONS.values() for module in modules]
 
 
@@ -34,6 +34,7 @@ def _adapter(name: str, config: ModelConfig, rank: int, targets: list[str], dtyp
     return LoRAAdapter(name, "-", rank, 1.0, tuple(targets), layers)
 
 
+@needs_kernel
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), hidden=st.sampled_from([8, 32, 40]), heads=st.sampled_from([1, 2, 4]),
        head_dim=st.sampled_from([4, 8, 16]), inter=st.sampled_from([8, 24, 300]),
@@ -78,6 +79,7 @@ def test_kernel_equals_pytorch_path(data: st.DataObject, hidden: int, heads: int
             assert torch.equal(native[untouched], base[untouched])
 
 
+@needs_kernel
 def test_kernel_refuses_bad_slots() -> None:
     config = _config(8, 2, 1, 4, 8)
     slots = AdapterSlots(config, 2, 4, kernel=KERNELS)
@@ -91,7 +93,7 @@ def test_a_reused_slot_holds_only_its_new_adapter() -> None:
     does not adapt): after a full-rank adapter on every projection, the slot equals a fresh one's."""
     config = _config(32, 4, 2, 8, 24)
     gen = torch.Generator().manual_seed(3)
-    reused, fresh = AdapterSlots(config, 1, 8, kernel=KERNELS), AdapterSlots(config, 1, 8, kernel=KERNELS)
+    reused, fresh = AdapterSlots(config, 1, 8), AdapterSlots(config, 1, 8)
     reused.register(_adapter("full", config, 8, MODULES, torch.float32, gen))
     reused.slots_for(["full"])
     partial = _adapter("partial", config, 3, ["k_proj", "up_proj", "o_proj"], torch.float32, gen)
