@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python scripts/bench_lora.py [--streams 8] [--tokens 64] [--rounds 2] [--many 32]
 
-1. Load time of one rank-16 adapter (PEFT directory, all seven projections): median of 5 loads.
+1. Load time of one rank-16 adapter (PEFT directory, all seven projections): median of 5 loads (reading and
+   checking it), and of copying it into a slot (over the previous adapter there).
 2. `--streams` greedy streams, each with its own rank-16 adapter, against the same streams on the base model,
    alternated base / adapters for `--rounds` rounds on one engine: output tok/s (prefill included).
 3. `--many` streams over `--many` adapters with --max-loras 8: throughput, and the slot swaps it cost.
@@ -24,6 +25,7 @@ from safetensors.torch import save_file
 from tokenloop import LLM, LoRARequest, SamplingParams
 from tokenloop.model.loader import DEFAULT_MODEL, load_checkpoint
 from tokenloop.model.lora import _MODULE_PREFIX, load_adapter, projection_shapes
+from tokenloop.model.lora_slots import AdapterSlots
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -66,11 +68,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         count = max(args.streams, args.many)
         dirs = {f"ad{i}": write_adapter(Path(tmp) / f"ad{i}", config, args.rank, i) for i in range(count)}
-        loads = []
-        for _ in range(5):
-            loads.append(load_adapter("x", dirs["ad0"], config, args.rank, torch.bfloat16).load_s * 1e3)
+        loads, copies = [], []
+        slots = AdapterSlots(config, 1, args.rank, torch.bfloat16)
+        for index in range(5):
+            adapter = load_adapter(f"x{index}", dirs["ad0"], config, args.rank, torch.bfloat16)
+            loads.append(adapter.load_s * 1e3)
+            slots.register(adapter)
+            begin = time.perf_counter()
+            slots.slots_for([adapter.name])  # into the one slot, over the previous adapter
+            copies.append((time.perf_counter() - begin) * 1e3)
         print(f"load one rank-{args.rank} adapter: median {statistics.median(loads):.1f} ms "
-              f"(runs: {', '.join(f'{v:.1f}' for v in loads)})")
+              f"(runs: {', '.join(f'{v:.1f}' for v in loads)}); into a slot: median "
+              f"{statistics.median(copies):.1f} ms (runs: {', '.join(f'{v:.1f}' for v in copies)})")
 
         names = [f"ad{i}" for i in range(args.streams)]
         llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in names}, max_loras=args.streams,

@@ -378,3 +378,33 @@ def test_the_command_lines_router_names_are_the_routers() -> None:
     from tokenloop.config import ROUTER_NAMES
 
     assert tuple(ROUTERS) == ROUTER_NAMES
+
+
+# ---- LoRA adapters: the cost router prefers a replica with the adapter resident ----------------------
+
+def test_cost_router_prefers_the_replica_with_the_adapter_resident() -> None:
+    """Equal replicas, one prompt: each adapter's request goes where that adapter is resident (whatever the
+    affinity tie-break would pick), and the other replica's score carries the slot load."""
+    router = CostRouter(RouterConfig(block_size=BS, adapter_load_s=0.05))
+    for holder in (0, 1):
+        loads = [dataclasses.replace(_load(i), resident_adapters={"x": None} if i == holder else {"y": None})
+                 for i in (0, 1)]
+        decision = router.route(RouteRequest(f"r{holder}", _prompt(9), lora_name="x"), loads)
+        assert decision.replica == holder
+        assert decision.scores[1 - holder] == pytest.approx(decision.scores[holder] + 0.05)
+    base = router.route(RouteRequest("base", _prompt(9)), loads)
+    assert base.scores[0] == pytest.approx(base.scores[1])  # the base model needs no slot anywhere
+
+
+def test_tracker_follows_the_adapters_a_replica_ran(tiny: Checkpoint) -> None:
+    """The tracker learns a replica's resident adapters from the requests it routed there that the replica's
+    steps ran, least recently run dropped first beyond its max_loras (as the replica's slots swap)."""
+    core = _core(tiny)
+    tracker = LoadTracker(1, BS, max_loras=2)
+    ids = _prompt(6)
+    for rid, adapter in (("r1", "x"), ("r2", "y"), ("r3", "x"), ("r4", "z"), ("r5", None)):
+        tracker.on_routed(0, rid, len(ids), lora_name=adapter)
+        core.add_requests([CoreRequest(rid, ids, _params(1), 0)])
+        while core.has_unfinished_requests():
+            tracker.on_frame(0, core.step())
+    assert list(tracker.views()[0].resident_adapters) == ["x", "z"]

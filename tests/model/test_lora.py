@@ -256,3 +256,96 @@ def test_offline_lora_request_loads_its_path(tiny_dir: Path, adapter_dirs: dict[
     output = llm.generate([prompt], _greedy(), lora_request=request, use_tqdm=False)[0]
     assert output.outputs[0].token_ids == _peft_greedy(tiny_dir, adapter_dirs["d"], prompt)
     assert [a["name"] for a in llm.engine.core.list_loras()] == ["d"]
+
+
+def test_import_beyond_max_loras_waits_for_a_slot(tiny_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """A request handed to a core whose running requests already use max_loras adapters is not adopted as
+    running (the next step would need one slot more than there are): it waits, and runs to PEFT's tokens
+    once the other adapter's request is done."""
+    from tokenloop.config import build_engine_config
+    from tokenloop.core.engine_core import EngineCore
+    from tokenloop.core.messages import CoreRequest
+    from tokenloop.request import RequestStatus, adapter_cache_salt
+
+    def core() -> EngineCore:
+        return EngineCore(build_engine_config(str(tiny_dir), dtype="float32", block_size=4, num_blocks=64,
+                                              max_loras=1, lora_modules={k: str(adapter_dirs[k]) for k in "ab"}))
+
+    def request(rid: str, prompt: list[int], name: str) -> CoreRequest:
+        return CoreRequest(rid, prompt, _greedy(), 0, cache_salt=adapter_cache_salt(None, name), lora_name=name)
+
+    first, second = _prompts(2, seed=31)
+    source, target = core(), core()
+    source.add_requests([request("moved", second, "b")])
+    target.add_requests([request("local", first, "a")])
+    tokens: dict[str, list[int]] = {"moved": [], "local": []}
+
+    def step(engine: EngineCore) -> None:
+        for out in engine.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+
+    while len(tokens["moved"]) < 3:
+        step(source)
+    step(target)
+    snapshot = source.export_request("moved")
+    assert target.import_request(snapshot).accepted
+    assert source.complete_export(snapshot.lease_id)
+    moved = target.scheduler.get_request("moved")
+    assert moved is not None and moved.status == RequestStatus.WAITING
+    while target.has_unfinished_requests():
+        step(target)
+    assert tokens["local"] == _peft_greedy(tiny_dir, adapter_dirs["a"], first)
+    assert tokens["moved"] == _peft_greedy(tiny_dir, adapter_dirs["b"], second)
+
+
+def test_kv_events_name_the_adapter(tiny_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """Blocks stored for a request of an adapter are published under its name (the base model's under none),
+    and the name survives the wire form the front end and the router receive."""
+    from tokenloop.config import build_engine_config
+    from tokenloop.core.engine_core import EngineCore
+    from tokenloop.core.kv_events import BlockStored, batch_from_wire, batch_to_wire
+    from tokenloop.core.messages import CoreRequest
+    from tokenloop.request import adapter_cache_salt
+
+    core = EngineCore(build_engine_config(str(tiny_dir), dtype="float32", block_size=4, num_blocks=64,
+                                          enable_kv_events=True, lora_modules={"a": str(adapter_dirs["a"])}))
+    prompt = _prompts(3, seed=37)[2]  # 17 tokens: 4 full blocks
+    core.add_requests([CoreRequest("base", prompt, _greedy(), 0),
+                       CoreRequest("lora", prompt, _greedy(), 0, cache_salt=adapter_cache_salt(None, "a"),
+                                   lora_name="a")])
+    stored: dict[str | None, set[int]] = {}
+    while core.has_unfinished_requests():
+        batch = core.step().kv_events
+        if batch is None:
+            continue
+        again = batch_from_wire(batch_to_wire(batch))
+        assert again == batch
+        for event in again.events:
+            if isinstance(event, BlockStored):
+                stored.setdefault(event.lora_name, set()).update(event.block_hashes)
+    assert set(stored) == {None, "a"}
+    assert len(stored["a"]) >= 4 and not stored["a"] & stored[None]  # the same tokens, hashed apart by adapter
+
+
+def test_traces_label_requests_by_adapter(tiny_dir: Path, adapter_dirs: dict[str, Path]) -> None:
+    """The tracer records which adapter each request ran with (the base model's with none), and the Chrome
+    trace's request spans carry it."""
+    from tokenloop.config import build_engine_config
+    from tokenloop.engine import LLMEngine
+    from tokenloop.observe.tracer import Tracer
+
+    tracer = Tracer()
+    engine = LLMEngine(build_engine_config(str(tiny_dir), dtype="float32", block_size=4, num_blocks=64,
+                                           lora_modules={"a": str(adapter_dirs["a"])}), tracer=tracer)
+    prompt = _prompts(1, seed=41)[0]
+    engine.add_request("with", prompt, _greedy(), lora_request=LoRARequest("a"))
+    engine.add_request("without", prompt, _greedy())
+    while engine.has_unfinished_requests():
+        engine.step()
+    traced = {rid: tracer.get(rid) for rid in ("with", "without")}
+    assert {rid: trace.lora_name for rid, trace in traced.items() if trace is not None} == \
+        {"with": "a", "without": None}
+    spans = [event for event in tracer.chrome_trace("with")["traceEvents"] if event.get("cat") == "phase"]
+    assert spans and all(span["args"]["lora_adapter"] == "a" for span in spans)
+    assert all("lora_adapter" not in span["args"] for span in tracer.chrome_trace("without")["traceEvents"]
+               if span.get("cat") == "phase")

@@ -64,3 +64,21 @@ def test_finished_request_latencies() -> None:
     assert metric_value(text, "tokenloop:iteration_tokens_sum") == 42
     assert metric_value(text, "tokenloop:generation_tokens_total") == 3
     assert metric_value(text, "tokenloop:prompt_tokens_total") == 10
+
+
+def test_requests_are_counted_by_adapter() -> None:
+    """Every request that ran with a LoRA adapter is counted under its name, however it ended (aborts
+    included); the base model's requests are not."""
+    m = EngineMetrics("m")
+    m.observe_finished("stop", None, "a")
+    m.observe_finished("length", None, "a")
+    m.observe_finished("stop", None, "b")
+    m.observe_finished("stop", None)
+    m.observe_aborted("b")
+    m.observe_aborted()
+    text = m.render().decode()
+    for adapter, reason, count in (("a", "stop", 1), ("a", "length", 1), ("b", "stop", 1), ("b", "abort", 1)):
+        assert metric_value(text, "tokenloop:lora_requests_total", lora_adapter=adapter,
+                            finished_reason=reason) == count
+    assert metric_value(text, "tokenloop:request_success_total", finished_reason="stop") == 3
+    assert metric_value(text, "tokenloop:request_success_total", finished_reason="abort") == 2

@@ -85,7 +85,8 @@ def start_replica_set(config: EngineConfig, options: ClusterOptions, *,
             if errors:
                 raise errors[0]
         block_size = clients[0].info.block_size
-        tracker = LoadTracker(options.replicas, block_size)
+        tracker = LoadTracker(options.replicas, block_size,
+                              max_loras=config.lora.max_loras if config.lora is not None else 4)
         replica_set = ReplicaSet(clients, router, tracker, failover=options.failover,
                                  restart=make if options.restart else None,
                                  prefill_replicas=options.prefill_replicas, lease_s=options.lease_s,

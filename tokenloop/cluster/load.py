@@ -57,6 +57,9 @@ class ReplicaLoad:
     mean_output_tokens: float | None = None  # tokens a finished request produced there, on average
     inflight: Mapping[int, int] = field(default_factory=dict)  # block hashes of requests still prefilling
     recent: Mapping[int, None] = field(default_factory=dict)  # block hashes routed there lately (bounded)
+    # The LoRA adapters in its slots: those of the requests routed there that its steps ran lately, least
+    # recently run first, at most its max_loras (its slots are swapped least recently used first too).
+    resident_adapters: Mapping[str, None] = field(default_factory=dict)
 
     @property
     def candidate(self) -> bool:
@@ -94,6 +97,7 @@ class _Flight:
     blocks_needed: int  # new blocks its admission takes (its uncached prompt)
     admitted: bool = False
     num_output_tokens: int = 0
+    lora_name: str | None = None
 
 
 class _Replica:
@@ -115,6 +119,7 @@ class _Replica:
         self.mean_output_tokens: float | None = None  # EWMA
         self.inflight: Counter[int] = Counter()
         self.recent: OrderedDict[int, None] = OrderedDict()
+        self.adapters: OrderedDict[str, None] = OrderedDict()  # as its slots hold them, least recent first
         self.mirror = KVIndexMirror()
         self.quiet_since_ns: int | None = None  # first frame with work since the last KV batch
         self.fit = StepCostFit(seed)
@@ -185,11 +190,12 @@ class LoadTracker:
 
     def __init__(self, num_replicas: int, block_size: int, max_staleness_s: float = DEFAULT_MAX_STALENESS_S,
                  *, seed_costs: StepCosts = DEFAULT_STEP_COSTS, clock: Callable[[], int] = time.monotonic_ns,
-                 recent_blocks: int = DEFAULT_RECENT_BLOCKS) -> None:
+                 recent_blocks: int = DEFAULT_RECENT_BLOCKS, max_loras: int = 4) -> None:
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-        if block_size < 1 or max_staleness_s <= 0 or recent_blocks < 1:
-            raise ValueError("block_size, max_staleness_s and recent_blocks must be > 0")
+        if block_size < 1 or max_staleness_s <= 0 or recent_blocks < 1 or max_loras < 1:
+            raise ValueError("block_size, max_staleness_s, recent_blocks and max_loras must be > 0")
+        self.max_loras = max_loras  # the replicas' adapter slots (their --max-loras)
         self.block_size = block_size
         self.max_staleness_s = max_staleness_s
         self.clock = clock
@@ -209,13 +215,14 @@ class LoadTracker:
     # ---- feeding ---------------------------------------------------------------------------------
 
     def on_routed(self, replica: int, request_id: str, num_prompt_tokens: int, *, num_cached_tokens: int = 0,
-                  block_hashes: Sequence[int] = ()) -> None:
+                  block_hashes: Sequence[int] = (), lora_name: str | None = None) -> None:
         """A request was sent to `replica`: count it before the replica's next stats say so."""
         state = self._replica(replica)
         state.routed_since_stats += 1
         hashes = tuple(block_hashes)
         uncached = max(0, num_prompt_tokens - num_cached_tokens)
-        state.add_flight(request_id, _Flight(num_prompt_tokens, uncached, hashes, -(-uncached // self.block_size)))
+        state.add_flight(request_id, _Flight(num_prompt_tokens, uncached, hashes, -(-uncached // self.block_size),
+                                             lora_name=lora_name))
         recent = state.recent
         for block_hash in hashes:
             recent[block_hash] = None
@@ -258,6 +265,12 @@ class LoadTracker:
                 continue
             if not flight.admitted:
                 state.admit(flight)
+            if flight.lora_name is not None:  # the step ran it: its adapter is in a slot there, most recent
+                adapters = state.adapters
+                adapters[flight.lora_name] = None
+                adapters.move_to_end(flight.lora_name)
+                if len(adapters) > self.max_loras:
+                    adapters.popitem(last=False)
             if chunk.start < chunk.num_prompt_tokens:
                 state.set_remaining(flight, max(0, chunk.num_prompt_tokens - chunk.start - chunk.num_tokens))
         for request_id in record.preempted:  # recomputed from scratch (its own prefix may still hit)
@@ -339,5 +352,5 @@ class LoadTracker:
                 unadmitted=state.unadmitted, unadmitted_blocks=state.unadmitted_blocks,
                 finish_rate_per_s=state.finish_rate_per_s(now), blocks_per_finish=state.blocks_per_finish,
                 mean_output_tokens=state.mean_output_tokens,
-                inflight=state.inflight, recent=state.recent))
+                inflight=state.inflight, recent=state.recent, resident_adapters=state.adapters))
         return out

@@ -318,7 +318,8 @@ class ReplicaSet:
         first = requests[0]
         try:
             decision = self.dispatcher.dispatch(
-                RouteRequest(first.request_id, first.prompt_token_ids, first.cache_salt, first.user))
+                RouteRequest(first.request_id, first.prompt_token_ids, first.cache_salt, first.user,
+                             lora_name=first.lora_name))
         except TokenloopError as exc:
             self._results.append(CallResult(message.call_id, None, error_to_wire(
                 exc if isinstance(exc, CapacityError) else CapacityError(str(exc), retry_after_s=1.0))))
@@ -516,7 +517,8 @@ class ReplicaSet:
             structured_replay=list(owned.output_token_ids) if params.structured_outputs is not None else None)
         try:
             decision = self.dispatcher.dispatch(RouteRequest(request.request_id, resumed.prompt_token_ids,
-                                                             request.cache_salt, request.user))
+                                                             request.cache_salt, request.user,
+                                                             lora_name=request.lora_name))
         except TokenloopError:
             return False
         self.tracker.on_finished(owned.replica, request.request_id)

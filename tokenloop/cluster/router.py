@@ -45,6 +45,7 @@ class RouteRequest:
     cache_salt: str | None = None
     session: str | None = None  # the OpenAI `user` or a session id: affinity on ties
     block_hashes: list[int] | None = None  # the prompt's full-block chain, filled by `prompt_block_hashes`
+    lora_name: str | None = None  # its LoRA adapter: `cost` prefers a replica that has it resident
 
 
 @dataclass(slots=True)
@@ -74,14 +75,19 @@ class RouterConfig:
     tie_epsilon: float = 0.02  # scores within this relative distance of the best are ties
     waiting_weight: float = 4.0  # least-load: waiting requests count this many running ones
     max_sessions: int = 100_000  # session -> last replica, least recently used dropped first
+    # cost: what a request of a LoRA adapter not resident on a replica adds there (loading it into a slot,
+    # maybe evicting another that its requests then reload): the slot load of a rank-16 adapter of the
+    # default model, with margin (BENCHMARKS.md, LoRA).
+    adapter_load_s: float = 0.05
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_num_batched_tokens, self.max_num_seqs, self.max_sessions,
                self.typical_decode_steps) < 1:
             raise InvalidRequestError("block_size, max_num_batched_tokens, max_num_seqs, max_sessions and "
                                       "typical_decode_steps must be >= 1")
-        if not 0 <= self.tie_epsilon < 1 or self.waiting_weight < 0 or self.decode_weight < 0:
-            raise InvalidRequestError("tie_epsilon must be in [0, 1), waiting_weight and decode_weight >= 0")
+        if not 0 <= self.tie_epsilon < 1 or min(self.waiting_weight, self.decode_weight, self.adapter_load_s) < 0:
+            raise InvalidRequestError("tie_epsilon must be in [0, 1), waiting_weight, decode_weight and "
+                                      "adapter_load_s >= 0")
 
 
 class Router(Protocol):
@@ -252,6 +258,8 @@ class CostRouter:
         for load in _candidates(replicas):
             cached[load.index] = load.cached_blocks(usable) * self.config.block_size
             ttfts[load.index] = predicted_ttft_s(load, num_tokens, cached[load.index], self.config)
+            if request.lora_name is not None and request.lora_name not in load.resident_adapters:
+                ttfts[load.index] += self.config.adapter_load_s
             decodes[load.index] = decode_rows_s(load, self.config)
         # Its decode beside the others' is part of the request's own latency (and, where a row is dear,
         # of everyone's ITL): counted from the lightest candidate's, so the scores stay on the scale of a
@@ -290,5 +298,5 @@ class Dispatcher:
         block_size = self.tracker.block_size
         self.tracker.on_routed(decision.replica, request.request_id, len(request.prompt_token_ids),
                                num_cached_tokens=decision.cached_tokens,
-                               block_hashes=prompt_block_hashes(request, block_size))
+                               block_hashes=prompt_block_hashes(request, block_size), lora_name=request.lora_name)
         return decision

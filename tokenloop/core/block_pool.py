@@ -201,7 +201,7 @@ class BlockPool:
         return True
 
     def publish_recorded(self, blocks: Sequence[KVBlock], block_hashes: Sequence[int], start: int, end: int,
-                         token_ids: Sequence[int], block_size: int) -> None:
+                         token_ids: Sequence[int], block_size: int, lora_name: str | None = None) -> None:
         """`publish` blocks[start:end] under block_hashes[start:end] and record what was indexed.
 
         `blocks`, `block_hashes` and `token_ids` are one sequence's table, chain and tokens. Each run of
@@ -221,7 +221,7 @@ class BlockPool:
                 parent = block_hashes[run_start - 1] if run_start else None
                 event = BlockStored(list(block_hashes[run_start:i]), parent,
                                     list(token_ids[run_start * block_size:i * block_size]), block_size,
-                                    blocks[run_start].group)
+                                    blocks[run_start].group, lora_name)
                 events.record(event)
                 # The blocks point into their event instead of copying their tokens: no list per block,
                 # which would cost more in allocation and garbage collection than the event itself.
@@ -232,12 +232,12 @@ class BlockPool:
                 run_start = -1
 
     def publish_one(self, block: KVBlock, block_hash: int, parent_hash: int | None,
-                    token_ids: Sequence[int], block_size: int) -> bool:
+                    token_ids: Sequence[int], block_size: int, lora_name: str | None = None) -> bool:
         """`publish` one block that came from elsewhere (a handoff's copy), recording it as stored."""
         if not self.publish(block, block_hash):
             return False
         if self.events is not None:
-            event = BlockStored([block_hash], parent_hash, list(token_ids), block_size, block.group)
+            event = BlockStored([block_hash], parent_hash, list(token_ids), block_size, block.group, lora_name)
             self.events.record(event)
             block.stored_event, block.stored_pos = event, 0
         return True

@@ -218,7 +218,8 @@ class EngineCore:
             for request in added:
                 self.observers.arrival(ArrivalRecord(
                     request.request_id, request.prompt, request.prompt_token_ids,
-                    request.sampling_params.max_tokens, request.times.arrival, now, self.scheduler.num_waiting))
+                    request.sampling_params.max_tokens, request.times.arrival, now, self.scheduler.num_waiting,
+                    lora_name=request.lora_name))
 
     def finish_requests(self, request_ids: Sequence[str], finish_reason: FinishReason = FinishReason.ABORT,
                         stop_reason: int | str | None = None) -> list[CoreOutput]:

@@ -256,7 +256,10 @@ class HandoffStage:
         plans = [plan[:usable] for plan in plans]
         whole = usable == len(snapshot.block_hashes) and (
             len(tails) == self.kv.num_groups or computed % self.kv.block_size == 0)
-        if computed and whole and self.scheduler.num_running < self.max_num_seqs:
+        # Running it beside max_loras other adapters would overfill the adapter slots in the next step: it
+        # waits (its K/V kept in the prefix cache) until the scheduler admits it as it admits local requests.
+        adapter_fits = request.lora_name is None or self.scheduler.adapter_fits(request.lora_name)
+        if computed and whole and self.scheduler.num_running < self.max_num_seqs and adapter_fits:
             result = self._adopt(snapshot, request, plans, copies, tails)
         else:
             result = self._queue(snapshot, request, plans, copies)
@@ -265,8 +268,9 @@ class HandoffStage:
             return result, request
         return result, None
 
-    def store(self, blocks: list[KVBlockData]) -> int:
-        """Put full blocks from elsewhere into the prefix cache, unreferenced (a pre-copy); how many."""
+    def store(self, blocks: list[KVBlockData], lora_name: str | None = None) -> int:
+        """Put full blocks from elsewhere into the prefix cache, unreferenced (a pre-copy); how many.
+        `lora_name`: the adapter whose K/V they are, for the KV events (None where unknown or the base's)."""
         stored = 0
         for group in range(self.kv.num_groups):
             full = [b for b in blocks if b.block_hash is not None and b.group == group and self._fits(b)]
@@ -275,7 +279,7 @@ class HandoffStage:
             def write(block_id: int, i: int, full: list[KVBlockData] = full) -> None:
                 self.runner.write_block(block_id, full[i].data, full[i].num_tokens)
 
-            stored += self.kv.store_cached(entries, write, group)
+            stored += self.kv.store_cached(entries, write, group, lora_name)
         return stored
 
     def _fits(self, block: KVBlockData) -> bool:
@@ -374,7 +378,7 @@ class HandoffStage:
             return ImportResult(request.request_id, False, f"refused by the scheduler: {exc}")
         usable = [copies[group, h] for group, plan in enumerate(plans)
                   for h, block in zip(snapshot.block_hashes, plan) if block is None]
-        stored = self.store(usable)
+        stored = self.store(usable, request.lora_name)
         usable_tokens = len(plans[0]) * self.kv.block_size
         num_matched = sum(1 for plan in plans for block in plan if block is not None and block.block_id >= 0)
         return ImportResult(request.request_id, True, None, num_matched, stored,

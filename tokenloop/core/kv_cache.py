@@ -333,7 +333,7 @@ class KVCacheManager:
         return fresh
 
     def store_cached(self, blocks: Sequence[tuple[int, int | None, Sequence[int]]],
-                     write: Callable[[int, int], None], group: int = 0) -> int:
+                     write: Callable[[int, int], None], group: int = 0, lora_name: str | None = None) -> int:
         """Store full blocks of `group` from elsewhere, unreferenced and reusable: (hash, parent hash, token
         ids) each.
 
@@ -350,7 +350,7 @@ class KVCacheManager:
                 break
             block = self.pool.take(1, group)[0]
             write(block.block_id, i)
-            self.pool.publish_one(block, block_hash, parent_hash, token_ids, self.block_size)
+            self.pool.publish_one(block, block_hash, parent_hash, token_ids, self.block_size, lora_name)
             self.pool.release([block])
             stored += 1
         return stored
@@ -521,7 +521,7 @@ class KVCacheManager:
         for table in tables:
             if self.pool.events is not None:
                 self.pool.publish_recorded(table, request.block_hashes, start, num_full,
-                                           request.all_token_ids, self.block_size)
+                                           request.all_token_ids, self.block_size, request.lora_name)
             else:
                 for i in range(start, num_full):
                     self.pool.publish(table[i], request.block_hashes[i])

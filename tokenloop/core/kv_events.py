@@ -29,6 +29,8 @@ class BlockStored:
     `token_ids` are the blocks' tokens concatenated (`block_size` per block); `parent_block_hash` is the
     hash of the block before the first one, None when the first block starts its sequence. `group` is the
     KV group whose layers the blocks hold (docs/kv-groups.md): 0, the full group, for a one-group model.
+    `lora_name`: the LoRA adapter whose K/V the blocks hold (vLLM's `lora_id`); None: the base model. The
+    hashes already differ by adapter (its name is in the salt): the name tells a consumer whose they are.
     """
 
     block_hashes: list[int]
@@ -36,6 +38,7 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     group: int = 0
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -239,8 +242,10 @@ def batch_to_wire(batch: KVEventBatch) -> list:
     events: list[list] = []
     for event in batch.events:
         if isinstance(event, BlockStored):
+            tail = [event.group, event.lora_name] if event.lora_name is not None else \
+                [event.group] if event.group else []
             events.append(["stored", event.block_hashes, event.parent_block_hash, event.token_ids,
-                           event.block_size, *([event.group] if event.group else [])])
+                           event.block_size, *tail])
         elif isinstance(event, BlockRemoved):
             events.append(["removed", event.block_hashes, *([event.group] if event.group else [])])
         else:
@@ -255,7 +260,8 @@ def batch_from_wire(data: Sequence) -> KVEventBatch:
     for raw in raw_events:
         tag = raw[0]
         if tag == "stored":
-            events.append(BlockStored(list(raw[1]), raw[2], list(raw[3]), raw[4], raw[5] if len(raw) > 5 else 0))
+            events.append(BlockStored(list(raw[1]), raw[2], list(raw[3]), raw[4], raw[5] if len(raw) > 5 else 0,
+                                      raw[6] if len(raw) > 6 else None))
         elif tag == "removed":
             events.append(BlockRemoved(list(raw[1]), raw[2] if len(raw) > 2 else 0))
         elif tag == "cleared":

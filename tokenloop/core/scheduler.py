@@ -391,7 +391,7 @@ class Scheduler:
                 break
             if request.request_id not in self._waiting:
                 continue
-            if request.lora_name is not None and not self._adapter_fits(request.lora_name):
+            if request.lora_name is not None and not self.adapter_fits(request.lora_name):
                 continue  # its adapter would be one more than the slots hold: it waits for one to free
             try:
                 begin = timer()
@@ -455,7 +455,7 @@ class Scheduler:
             step.budget -= output.num_draft_tokens
             step.kv_ns += draft_kv_ns
 
-    def _adapter_fits(self, lora_name: str) -> bool:
+    def adapter_fits(self, lora_name: str) -> bool:
         """Whether running one more request of `lora_name` keeps the running adapters within max_loras."""
         running = {r.lora_name for r in self._running.values() if r.lora_name is not None}
         return lora_name in running or len(running) < self.max_loras

@@ -214,20 +214,43 @@ def _pairs(where: str, halves: dict[tuple[int, str], dict[str, torch.Tensor]], c
                                    f"model's {out_features}x{in_features} projection at rank {rank} "
                                    "(an adapter of another base model?)")
         pairs[(layer, module)] = (a.float(), b.float())
-    # One finiteness check over everything (a check per tensor costs more than reading them); then find it.
-    if pairs and not torch.isfinite(torch.cat([t.reshape(-1) for pair in pairs.values() for t in pair])).all():
-        (layer, module), _ = next(item for item in pairs.items()
-                                  if not all(torch.isfinite(t).all() for t in item[1]))
-        raise AdapterLoadError(f"{where}: layer {layer} {module}: holds NaN or infinite values")
     return pairs
 
 
 def _scaled(name: str, tensors: Tensors, config: ModelConfig, scaling: float,
             dtype: torch.dtype) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """Per layer, per adapted projection: (A [r, in], B * scaling [out, r]) in `dtype`."""
-    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(config.num_layers)]
-    for (index, module), (a, b) in tensors.items():
-        layers[index][module] = (a.to(dtype), (b * scaling).to(dtype))
-    if not any(layers):
+    """Per layer, per adapted projection: (A [r, in], B * scaling [out, r]) in `dtype`, checked finite.
+
+    The matrices of one shape are stacked and converted together, in numpy: a few single-threaded passes for
+    the whole adapter instead of three torch ops per matrix (840 for a rank-16 adapter of the default model),
+    and no multi-threaded op whose threads wait for each other on a busy machine (~40 ms an op there)."""
+    if not tensors:
         raise AdapterLoadError(f"adapter {name!r} adapts no projection")
+    by_shape: dict[tuple[int, tuple[int, ...]], list[tuple[int, str]]] = {}
+    for key, pair in tensors.items():
+        for half, matrix in enumerate(pair):
+            by_shape.setdefault((half, tuple(matrix.shape)), []).append(key)
+    converted: dict[tuple[int, tuple[int, str]], torch.Tensor] = {}
+    for (half, _), keys in by_shape.items():
+        stacked = np.stack([tensors[key][half].numpy() for key in keys])
+        if not np.isfinite(stacked).all():
+            layer, module = next(key for key in keys if not torch.isfinite(tensors[key][half]).all())
+            raise AdapterLoadError(f"adapter {name!r}: layer {layer} {module}: holds NaN or infinite values")
+        if half == 1:
+            stacked *= np.float32(scaling)
+        for key, matrix in zip(keys, _to_dtype(stacked, dtype).unbind(0)):
+            converted[half, key] = matrix
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in range(config.num_layers)]
+    for index, module in tensors:
+        layers[index][module] = (converted[0, (index, module)], converted[1, (index, module)])
     return layers
+
+
+def _to_dtype(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """float32 `values` (overwritten) as a tensor of `dtype`; bf16 rounded to nearest even, as torch does
+    for finite values, in numpy (which has no bf16 type)."""
+    if dtype != torch.bfloat16:
+        return torch.from_numpy(values).to(dtype)
+    bits = values.view(np.uint32)
+    bits += np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return torch.from_numpy((bits >> np.uint32(16)).astype(np.uint16)).view(torch.bfloat16)

@@ -2,36 +2,49 @@
 
 `AdapterSlots` keeps `max_loras` slots: per layer and fused projection, every slot's A stacked into one
 [slots * n * r, in] matrix and every slot's B (transposed) into one [slots * n * r, out]. A step whose rows use
-adapters gets a `LoRABatch`: each token's slot, as a one-hot mask over the slots' rank columns. The products
-then run as two GEMMs per projection for the whole step, whatever mix of adapters its rows use (Punica's
-batched gather-matmul, with the gather done by the mask): x @ A_used.T, masked to each row's own slot's
-columns, @ B_used, added to the base projection's output. Only the range of slots the step uses is read. Rows
-of the base model get a zero mask; a step with no adapter row gets no batch at all and runs as before.
+adapters gets a `LoRABatch`: each token's slot. On the CPU one native call per projection (csrc/lora_sgmv.cpp,
+Punica's SGMV idea) groups the rows by slot and reads each used slot's A and B once, B's zero blocks skipped.
+The PyTorch path, the fallback and the kernel's reference, runs two GEMMs per projection for the whole step,
+whatever mix of adapters its rows use (the gather done by a mask): x @ A_used.T, masked to each row's own
+slot's columns, @ B_used, added to the base projection's output. Only the range of slots the step uses is read.
+Rows of the base model get no product; a step with no adapter row gets no batch at all and runs as before.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from types import ModuleType
 
 import numpy as np
 import torch
 
 from tokenloop.config import ModelConfig
 from tokenloop.errors import AdapterNotFoundError, CapacityError
+from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.lora import FUSED_PROJECTIONS, LoRAAdapter, projection_shapes
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what csrc/lora_sgmv.cpp reads and writes
 
 
 class AdapterSlots:
     """The adapters an engine serves: every registered one on the host, `max_loras` of them resident (least
-    recently used swapped out first) in the stacked forms a step reads."""
+    recently used swapped out first) in the stacked forms a step reads. `kernel`: the native products
+    (csrc/lora_sgmv.cpp), by default the CPU kernels' where they build; None runs the PyTorch path."""
 
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", kernel: ModuleType | None | bool = True) -> None:
         self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
         shapes = projection_shapes(config)
         self.out_features = {module: out for module, (out, _) in shapes.items()}
         self.width = {kind: len(modules) * max_rank for kind, modules in FUSED_PROJECTIONS.items()}
+        # Each fused projection's output column bounds per part: B's rank block p writes only part p's columns.
+        self.part_columns = {kind: np.cumsum([0] + [self.out_features[m] for m in modules]).tolist()
+                             for kind, modules in FUSED_PROJECTIONS.items()}
+        if kernel is True:
+            kernel = paged_decode_kernels() if torch.device(device).type == "cpu" else None
+        self.kernel: ModuleType | None = kernel if isinstance(kernel, ModuleType) and \
+            hasattr(kernel, "lora_sgmv") else None
         self.a: list[dict[str, torch.Tensor]] = []
         self.bt: list[dict[str, torch.Tensor]] = []
         for _ in range(config.num_layers):
@@ -90,22 +103,25 @@ class AdapterSlots:
     def _load(self, adapter: LoRAAdapter, slot: int) -> None:
         """Copy an adapter into a slot, fused as the base projections are: per fused projection, each
         sub-projection's A in its own `max_rank` rows, its B (transposed) in the same rows and its own output
-        columns; everything it does not adapt (and the padding past its rank) zero."""
-        rank = adapter.rank
+        columns; everything it does not adapt (and the padding past its rank) zero. B's blocks outside the
+        diagonal are zero from the start and never written: only the rows written here are cleared."""
+        rank, max_rank = adapter.rank, self.max_rank
         for index, modules in enumerate(adapter.layers):
             for kind, parts in FUSED_PROJECTIONS.items():
                 width = self.width[kind]
                 a, bt = self.a[index][kind], self.bt[index][kind]
-                a[slot * width:(slot + 1) * width].zero_()
-                bt[slot * width:(slot + 1) * width].zero_()
                 column = 0
                 for part, module in enumerate(parts):
                     out_features = self.out_features[module]
                     pair = modules.get(module)
+                    first = slot * width + part * max_rank
+                    filled = 0 if pair is None else rank
                     if pair is not None:
-                        first = slot * width + part * self.max_rank
                         a[first:first + rank].copy_(pair[0])
                         bt[first:first + rank, column:column + out_features].copy_(pair[1].T)
+                    if filled < max_rank:  # what the slot's previous adapter left there
+                        a[first + filled:first + max_rank].zero_()
+                        bt[first + filled:first + max_rank, column:column + out_features].zero_()
                     column += out_features
         self._slot_of[adapter.name] = slot
         self.num_loads += 1
@@ -116,30 +132,48 @@ class AdapterSlots:
         adapted = token_slots >= 0
         if not adapted.any():
             return None
-        lo, hi = int(token_slots[adapted].min()), int(token_slots[adapted].max()) + 1
-        onehot = np.zeros((len(token_slots), hi - lo), dtype=np.float32)
-        rows = np.flatnonzero(adapted)
-        onehot[rows, token_slots[rows] - lo] = 1.0
-        device = self.a[0]["qkv"].device if self.a else "cpu"
-        return LoRABatch(self, torch.from_numpy(onehot).to(device=device, dtype=self.dtype), lo, hi)
+        return LoRABatch(self, token_slots.astype(np.int64, copy=False), adapted)
 
 
 class LoRABatch:
     """One step's adapter products: `add_(out, x, layer, kind)` adds each row's adapter output to `out`."""
 
-    def __init__(self, slots: AdapterSlots, onehot: torch.Tensor, lo: int, hi: int) -> None:
-        self.slots, self.onehot, self.lo, self.hi = slots, onehot, lo, hi
+    def __init__(self, slots: AdapterSlots, token_slots: np.ndarray, adapted: np.ndarray) -> None:
+        self.slots = slots
+        self.kernel = slots.kernel
+        self.token_slots = torch.from_numpy(np.ascontiguousarray(token_slots))
+        self.lo = int(token_slots[adapted].min())
+        self.hi = int(token_slots[adapted].max()) + 1
+        self._adapted = adapted
+        self._onehot: torch.Tensor | None = None
         self._masks: dict[int, torch.Tensor] = {}  # by rank columns per slot
 
     def _mask(self, width: int) -> torch.Tensor:
+        """Each row's own slot's rank columns (of the used slots'), as a 0/1 mask."""
         mask = self._masks.get(width)
         if mask is None:
-            mask = self._masks[width] = self.onehot.repeat_interleave(width, dim=1)
+            if self._onehot is None:
+                slots = self.token_slots.numpy()
+                onehot = np.zeros((len(slots), self.hi - self.lo), dtype=np.float32)
+                rows = np.flatnonzero(self._adapted)
+                onehot[rows, slots[rows] - self.lo] = 1.0
+                device = self.slots.a[0]["qkv"].device if self.slots.a else "cpu"
+                self._onehot = torch.from_numpy(onehot).to(device=device, dtype=self.slots.dtype)
+            mask = self._masks[width] = self._onehot.repeat_interleave(width, dim=1)
         return mask
 
     def add_(self, out: torch.Tensor, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
         """out [T, out] += each row's adapter's x @ A.T @ B.T for projection `kind` of `layer`; returns
         out."""
+        if self.kernel is not None and out.is_contiguous() and out.dtype in _KERNEL_DTYPES \
+                and x.dtype in _KERNEL_DTYPES:
+            self.kernel.lora_sgmv(out, x.contiguous(), self.slots.a[layer][kind], self.slots.bt[layer][kind],
+                                  self.token_slots, self.slots.width[kind], self.slots.part_columns[kind])
+            return out
+        return self.add_reference_(out, x, layer, kind)
+
+    def add_reference_(self, out: torch.Tensor, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
+        """`add_` in PyTorch ops: two GEMMs over the used slots, masked to each row's own slot."""
         width = self.slots.width[kind]
         used = slice(self.lo * width, self.hi * width)
         a, bt = self.slots.a[layer][kind][used], self.slots.bt[layer][kind][used]

@@ -196,6 +196,8 @@ def _request_track(trace: RequestTrace, tid: int, span: Callable[..., None], eve
         preempted_since_last = False
     for name, start, end in phases:
         args: dict[str, Any] = {"request_id": trace.request_id}
+        if trace.lora_name is not None:
+            args["lora_adapter"] = trace.lora_name
         if name == Stage.RELEASE and trace.release is not None:
             r = trace.release
             args |= {"finish_reason": trace.finish_reason, "blocks": len(r.block_ids), "freed": r.num_freed,

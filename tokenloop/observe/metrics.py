@@ -233,9 +233,11 @@ class EngineMetrics:
         for gap in metrics.itls_s:
             self._itl.observe(gap)
 
-    def observe_aborted(self) -> None:
-        """A request was cancelled (client gone, or server shutting down)."""
+    def observe_aborted(self, lora_name: str | None = None) -> None:
+        """A request was cancelled (client gone, or server shutting down); `lora_name`: its adapter."""
         self.request_success.labels(self.model_name, FinishReason.ABORT).inc()
+        if lora_name is not None:
+            self.lora_requests.labels(self.model_name, lora_name, FinishReason.ABORT).inc()
 
     # ---- read by the API --------------------------------------------------------------------------
 

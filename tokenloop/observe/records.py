@@ -180,6 +180,7 @@ class ArrivalRecord:
     replica: int = 0  # which engine replica of a cluster took it
     # The router's decision (replica, policy, predicted TTFT, cached tokens), when a router chose.
     route: dict[str, int | float | str | None] | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
 
 
 @dataclass(slots=True)

@@ -141,9 +141,11 @@ class Tracer:
             if self.sample_rate < 1.0 and self._rng.random() >= self.sample_rate:
                 return
             trace = RequestTrace(record.request_id, record.prompt, list(record.prompt_token_ids), [],
-                                 record.max_tokens, record.arrival_ns)
-            trace.events.append(RequestEvent("arrival", record.arrival_ns,
-                                             {"prompt_tokens": len(record.prompt_token_ids)}))
+                                 record.max_tokens, record.arrival_ns, lora_name=record.lora_name)
+            arrival: dict[str, object] = {"prompt_tokens": len(record.prompt_token_ids)}
+            if record.lora_name is not None:
+                arrival["lora_adapter"] = record.lora_name
+            trace.events.append(RequestEvent("arrival", record.arrival_ns, arrival))
             if record.route is not None:  # a cluster's router chose the replica
                 trace.events.append(RequestEvent("routed", record.queued_ns, dict(record.route)))
             trace.events.append(RequestEvent("queued", record.queued_ns, {"waiting": record.num_waiting,

@@ -127,6 +127,7 @@ class RequestTrace:
     stop_reason: int | str | None = None
     first_token_ns: int | None = None
     release: ReleaseTrace | None = None
+    lora_name: str | None = None  # the LoRA adapter it ran with; None: the base model
 
     @property
     def num_prompt_tokens(self) -> int:

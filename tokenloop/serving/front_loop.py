@@ -262,7 +262,7 @@ class FrontLoop:
             live = self.live.pop(rid)
             self._count_finished(FinishReason.ABORT)
             if self.metrics is not None:
-                self.metrics.observe_aborted()
+                self.metrics.observe_aborted(live.spec.lora_name)
             if notify:
                 deliveries.append((live.stream, aborted_output(live.spec)))
         if core_ids:

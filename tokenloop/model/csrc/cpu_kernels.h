@@ -61,6 +61,9 @@ void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, con
                    torch::Tensor& q_out, torch::Tensor& k_out, torch::Tensor& v_out);
 // weight_unpack.cpp
 void q4_unpack(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, torch::Tensor& out);
+// lora_sgmv.cpp
+void lora_sgmv(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt,
+               const torch::Tensor& token_slots, int64_t width, const std::vector<int64_t>& parts);
 // decode_layers.cpp
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,

@@ -1,0 +1,114 @@
+"""The native LoRA products (csrc/lora_sgmv.cpp) against their PyTorch twin (LoRABatch.add_reference_): any
+shapes, ranks, adapters per slot and grouping of a step's rows by adapter, in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenloop.config import ModelConfig
+from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.lora import FUSED_PROJECTIONS, LoRAAdapter, projection_shapes
+from tokenloop.model.lora_slots import AdapterSlots
+
+KERNELS = paged_decode_kernels()
+needs_kernel = pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS, "lora_sgmv"),
+                                  reason="the C++ CPU kernels are not built here")
+MODULES = [module for modules in FUSED_PROJECTIONS.values() for module in modules]
+
+
+def _config(hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=32, hidden_size=hidden, intermediate_size=inter,
+                       num_layers=2, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+
+
+def _adapter(name: str, config: ModelConfig, rank: int, targets: list[str], dtype: torch.dtype,
+             gen: torch.Generator) -> LoRAAdapter:
+    shapes = projection_shapes(config)
+    layers = [{module: (torch.randn(rank, shapes[module][1], generator=gen).to(dtype),
+                        torch.randn(shapes[module][0], rank, generator=gen).to(dtype)) for module in targets}
+              for _ in range(config.num_layers)]
+    return LoRAAdapter(name, "-", rank, 1.0, tuple(targets), layers)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), hidden=st.sampled_from([8, 32, 40]), heads=st.sampled_from([1, 2, 4]),
+       head_dim=st.sampled_from([4, 8, 16]), inter=st.sampled_from([8, 24, 300]),
+       max_rank=st.integers(1, 16), max_loras=st.integers(1, 5), tokens=st.integers(1, 19),
+       weights=st.sampled_from([torch.float32, torch.bfloat16]),
+       activations=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_kernel_equals_pytorch_path(data: st.DataObject, hidden: int, heads: int, head_dim: int, inter: int,
+                                    max_rank: int, max_loras: int, tokens: int, weights: torch.dtype,
+                                    activations: torch.dtype) -> None:
+    kv_heads = data.draw(st.sampled_from([h for h in (1, 2, heads) if heads % h == 0]), label="kv_heads")
+    config = _config(hidden, heads, kv_heads, head_dim, inter)
+    slots = AdapterSlots(config, max_loras, max_rank, weights, kernel=KERNELS)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    names = []
+    for index in range(data.draw(st.integers(1, max_loras), label="adapters")):
+        rank = data.draw(st.integers(1, max_rank), label="rank")
+        targets = data.draw(st.lists(st.sampled_from(MODULES), min_size=1, unique=True), label="targets")
+        slots.register(_adapter(f"ad{index}", config, rank, targets, weights, gen))
+        names.append(f"ad{index}")
+    slot_of = slots.slots_for(names)
+    # Each token: the base model (-1) or one of the adapters, in any order (rows of one adapter need not touch).
+    choice = data.draw(st.lists(st.integers(-1, len(names) - 1), min_size=tokens, max_size=tokens), label="rows")
+    batch = slots.batch(np.array([-1 if c < 0 else slot_of[names[c]] for c in choice], dtype=np.int64))
+    if batch is None:
+        assert all(c < 0 for c in choice)
+        return
+    assert batch.kernel is KERNELS
+    for layer in range(config.num_layers):
+        for kind in FUSED_PROJECTIONS:
+            width_in = slots.a[layer][kind].shape[1]
+            out_features = slots.bt[layer][kind].shape[1]
+            x = torch.randn(tokens, width_in, generator=gen).to(activations)
+            base = torch.randn(tokens, out_features, generator=gen).to(activations)
+            native = batch.add_(base.clone(), x, layer, kind)
+            reference = batch.add_reference_(base.float(), x.float(), layer, kind)
+            # The reference rounds x and x A^T to bf16 with bf16 weights (the kernel sums in float32), and bf16
+            # outputs round once more.
+            bound = 1e-4 if activations == weights == torch.float32 else 1e-2
+            scale = reference.abs().max().item() + 1.0
+            assert torch.allclose(native.float(), reference, rtol=bound, atol=bound * scale), (layer, kind)
+            untouched = torch.tensor([c < 0 for c in choice])
+            assert torch.equal(native[untouched], base[untouched])
+
+
+@needs_kernel
+def test_kernel_refuses_bad_slots() -> None:
+    config = _config(8, 2, 1, 4, 8)
+    slots = AdapterSlots(config, 2, 4, kernel=KERNELS)
+    with pytest.raises(RuntimeError, match="not a slot"):
+        KERNELS.lora_sgmv(torch.zeros(1, 16), torch.zeros(1, 8), slots.a[0]["qkv"], slots.bt[0]["qkv"],
+                          torch.tensor([2]), slots.width["qkv"], slots.part_columns["qkv"])
+
+
+def test_a_reused_slot_holds_only_its_new_adapter() -> None:
+    """A slot's rows are cleared only where the new adapter writes nothing (rank padding, projections it
+    does not adapt): after a full-rank adapter on every projection, the slot equals a fresh one's."""
+    config = _config(32, 4, 2, 8, 24)
+    gen = torch.Generator().manual_seed(3)
+    reused, fresh = AdapterSlots(config, 1, 8), AdapterSlots(config, 1, 8)
+    reused.register(_adapter("full", config, 8, MODULES, torch.float32, gen))
+    reused.slots_for(["full"])
+    partial = _adapter("partial", config, 3, ["k_proj", "up_proj", "o_proj"], torch.float32, gen)
+    reused.register(partial)
+    fresh.register(partial)
+    assert reused.slots_for(["partial"]) == fresh.slots_for(["partial"]) == {"partial": 0}
+    for layer in range(config.num_layers):
+        for kind in FUSED_PROJECTIONS:
+            assert torch.equal(reused.a[layer][kind], fresh.a[layer][kind])
+            assert torch.equal(reused.bt[layer][kind], fresh.bt[layer][kind])
+
+
+def test_adapter_bf16_rounding_equals_torch() -> None:
+    from tokenloop.model.lora import _to_dtype
+
+    values = torch.randn(64, 33, generator=torch.Generator().manual_seed(5)) * 100
+    values[0, :5] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -1.0 - 2**-8, 3e38, -0.0])
+    assert torch.equal(_to_dtype(values.numpy().copy(), torch.bfloat16), values.to(torch.bfloat16))
