@@ -160,13 +160,15 @@ class _AsRecorded:
 
 class _EventsAsRecorded:
     """A step's KV events with the repr they had when the digests were recorded: before events named their
-    KV group (docs/kv-groups.md), which is 0 for every event of this one-group model."""
+    KV group (docs/kv-groups.md), which is 0 for every event of this one-group model, and before a stored
+    block named its LoRA adapter (None: this trace runs none)."""
 
     def __init__(self, events: Any) -> None:
         self.events = events
 
     def __repr__(self) -> str:
-        text = repr(self.events).replace(", group=0)", ")")
+        text = repr(self.events).replace(", lora_name=None)", ")").replace(", group=0)", ")")
+        assert "lora_name=" not in text, "an event of a trace without adapters names one"
         assert "group=" not in text, "an event of a one-group model names a group other than 0"
         return text
 
