@@ -7,15 +7,28 @@ engine thread between two turns of its loop, like every other change to the set'
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Concatenate, Protocol
 
 from tokenloop.cluster.errors import ClusterError
+from tokenloop.cluster.handoff_flow import HandoffFlow, HandoffStats
+from tokenloop.cluster.members import ReplicaHost
+from tokenloop.cluster.router import Router, RouteRequest
 
-if TYPE_CHECKING:
-    from tokenloop.cluster.replica_set import ReplicaSet
+
+class ReplicaSetAdmin(ReplicaHost, Protocol):
+    """The replica set as its admin calls see it (`ReplicaSet` is one): they run on it, never import it."""
+
+    router: Router
+    failover: str
+    handoffs: HandoffFlow
+
+    def status(self) -> list[dict[str, Any]]: ...
+    def handoff_stats(self) -> HandoffStats: ...
+    def owner(self, request_id: str) -> int | None: ...
+    def request_ids(self) -> list[str]: ...
 
 
-def replicas_status(replicas: ReplicaSet) -> dict[str, Any]:
+def replicas_status(replicas: ReplicaSetAdmin) -> dict[str, Any]:
     return {"replicas": replicas.status(), "router": replicas.router.name, "failover": replicas.failover,
             "handoffs": replicas.handoff_stats().as_dict(),
             "in_flight": [{"request_id": h.request_id, "source": h.source, "destination": h.destination,
@@ -23,10 +36,8 @@ def replicas_status(replicas: ReplicaSet) -> dict[str, Any]:
                           for h in replicas.handoffs.in_flight.values()]}
 
 
-def drain(replicas: ReplicaSet, index: int) -> dict[str, Any]:
+def drain(replicas: ReplicaSetAdmin, index: int) -> dict[str, Any]:
     """Admit nothing new on replica `index` and move its running requests to the others."""
-    from tokenloop.cluster.router import RouteRequest
-
     replica = replicas.replica(index)
     others = [r for r in replicas.replicas if r.alive and r.admitting and r.index != index]
     if not others:
@@ -49,7 +60,7 @@ def drain(replicas: ReplicaSet, index: int) -> dict[str, Any]:
     return {"replica": index, "admitting": False, "moving": moving}
 
 
-def undrain(replicas: ReplicaSet, index: int) -> dict[str, Any]:
+def undrain(replicas: ReplicaSetAdmin, index: int) -> dict[str, Any]:
     replica = replicas.replica(index)
     if not replica.alive:
         raise ClusterError(f"replica {index} is not alive ({replica.death})")
@@ -58,7 +69,7 @@ def undrain(replicas: ReplicaSet, index: int) -> dict[str, Any]:
     return {"replica": index, "admitting": True}
 
 
-def migrate(replicas: ReplicaSet, request_id: str, destination: int | None = None) -> dict[str, Any]:
+def migrate(replicas: ReplicaSetAdmin, request_id: str, destination: int | None = None) -> dict[str, Any]:
     """Move a running request (each of its samples when n > 1) to replica `destination` (default: the
     least loaded other live replica): live migration, pre-copy of its full blocks while it decodes, then
     a short pause for the tail."""
@@ -82,7 +93,8 @@ def migrate(replicas: ReplicaSet, request_id: str, destination: int | None = Non
     return {"moving": moved}
 
 
-CLUSTER_CALLS: dict[str, Callable[..., Any]] = {
+# The set calls these with itself first: typed so, mypy checks `ReplicaSet` against `ReplicaSetAdmin` there.
+CLUSTER_CALLS: dict[str, Callable[Concatenate[ReplicaSetAdmin, ...], Any]] = {
     "cluster_status": replicas_status,
     "cluster_drain": drain,
     "cluster_undrain": undrain,

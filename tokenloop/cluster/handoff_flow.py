@@ -20,9 +20,10 @@ import logging
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenloop.cluster.errors import ClusterError
+from tokenloop.cluster.members import OwnedRequest, ReplicaHost
 from tokenloop.core.kv_cache import block_hash_chain
 from tokenloop.core.messages import (
     CallResult,
@@ -31,9 +32,6 @@ from tokenloop.core.messages import (
 from tokenloop.core.wire import error_from_wire
 from tokenloop.observe.records import HandoffRecord
 from tokenloop.request import FinishReason
-
-if TYPE_CHECKING:
-    from tokenloop.cluster.replica_set import OwnedRequest, ReplicaSet
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +86,7 @@ class HandoffStats:
 class HandoffFlow:
     """The handoffs in flight in one replica set, and their lifetime counts."""
 
-    def __init__(self, replicas: ReplicaSet, *, lease_s: float = 30.0, precopy: bool = True,
+    def __init__(self, replicas: ReplicaHost, *, lease_s: float = 30.0, precopy: bool = True,
                  stage_blocks: int = PRECOPY_STAGE_BLOCKS) -> None:
         self.set = replicas
         self.lease_s = lease_s

@@ -33,6 +33,7 @@ from tokenloop.cluster.admin import CLUSTER_CALLS
 from tokenloop.cluster.errors import ClusterError
 from tokenloop.cluster.handoff_flow import HandoffFlow, HandoffStats
 from tokenloop.cluster.load import LoadTracker
+from tokenloop.cluster.members import OwnedRequest, Replica
 from tokenloop.cluster.router import Dispatcher, Router, RouteRequest
 from tokenloop.core.messages import (
     AddRequests,
@@ -41,7 +42,6 @@ from tokenloop.core.messages import (
     CoreFrame,
     CoreOutput,
     CoreOutputs,
-    CoreRequest,
     FinishRequests,
     InputMessage,
     Shutdown,
@@ -78,28 +78,6 @@ def _merge_kv_facts(values: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 _MERGE["kv_facts"] = _merge_kv_facts
-
-
-@dataclass
-class Replica:
-    """One engine core of the set, and what the set knows of it."""
-
-    index: int
-    client: Any  # a CoreClient
-    alive: bool = True
-    admitting: bool = True
-    death: str | None = None
-    restarts: int = 0
-
-
-@dataclass
-class OwnedRequest:
-    """A core request the set routed: where it is and what it produced (enough to run it again)."""
-
-    request: CoreRequest
-    replica: int
-    output_token_ids: list[int] = field(default_factory=list)
-    route: dict[str, Any] | None = None
 
 
 @dataclass
