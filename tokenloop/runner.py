@@ -146,7 +146,6 @@ class ModelRunner:
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
         self.groups: tuple[KVGroup, ...] = model.kv_groups()
         self.group_tables = [BlockTables() for _ in self.groups]
-        self.tables = self.group_tables[0]
 
     def apply_block_diffs(self, output: SchedulerOutput) -> None:
         """Bring the persistent block tables up to this step: drop released requests, append new blocks.
@@ -215,12 +214,11 @@ class ModelRunner:
         arrays (numpy, no per-token Python), sent to the device once; the logits of the rows that sample."""
         block_size = self.block_size
         scheduled = output.scheduled
-        tables = self.tables
         num_rows = len(scheduled)
         # The only per-request Python work: read three numbers of each row's record row (`chunk`, read in C
         # through attrgetter: a generator per array costs ~0.15 us a row) and this step's token ids.
         chunks = [item.chunk for item in scheduled]
-        rows = np.fromiter(map(tables.rows.__getitem__, map(_REQUEST_ID, chunks)), np.int64, num_rows)
+        request_ids = list(map(_REQUEST_ID, chunks))
         starts = np.fromiter(map(_START, chunks), np.int64, num_rows)
         counts = np.fromiter(map(_NUM_TOKENS, chunks), np.int64, num_rows)
         query_start_loc, token_rows, positions = _flat_layout(starts, counts)
@@ -229,15 +227,9 @@ class ModelRunner:
                      else _step_token_ids(scheduled))
         seq_lens = starts + counts
         width = int((seq_lens.max() + block_size - 1) // block_size)
-        table = tables.table[rows, :width]
-        slots = table[token_rows, positions // block_size] * block_size + positions % block_size
-        group_layouts = [(table, slots)]
-        for group_tables in self.group_tables[1:]:  # the same positions through each group's own blocks
-            group_rows = np.fromiter(map(group_tables.rows.__getitem__, map(_REQUEST_ID, chunks)), np.int64,
-                                     num_rows)
-            group_table = group_tables.table[group_rows, :width]
-            group_layouts.append((group_table, group_table[token_rows, positions // block_size] * block_size
-                                  + positions % block_size))
+        # The same positions through each KV group's own blocks: its table rows and each token's slot.
+        group_layouts = [_table_and_slots(tables, request_ids, token_rows, positions, width, block_size)
+                         for tables in self.group_tables]
 
         sample_indices = np.flatnonzero(np.fromiter(map(_SAMPLES, chunks), np.bool_, num_rows))
         prompt_rows: list[tuple[str, int, int, int]] = []  # request id, first target, first row, count
@@ -322,6 +314,14 @@ def _with_draft_rows(last_rows: np.ndarray, sample_indices: np.ndarray, schedule
     first = last_rows - drafts
     offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.repeat(first, counts) + offsets
+
+
+def _table_and_slots(tables: BlockTables, request_ids: list[str], token_rows: np.ndarray, positions: np.ndarray,
+                     width: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """One KV group's block-table rows of the step's requests ([B, width]) and each flat token's slot [T]."""
+    rows = np.fromiter(map(tables.rows.__getitem__, request_ids), np.int64, len(request_ids))
+    table = tables.table[rows, :width]
+    return table, table[token_rows, positions // block_size] * block_size + positions % block_size
 
 
 def _flat_layout(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
