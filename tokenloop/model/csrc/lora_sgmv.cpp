@@ -24,9 +24,10 @@ using c10::BFloat16;
 
 // Rows a task shrinks and expands together: each weight element loaded feeds this many rows.
 constexpr int64_t kRowsPerTask = 4;
-// Tasks a thread takes at least: a decode step's 8 adapters stay on one thread (the hand-off to a second one,
-// descheduled on a busy machine, cost more than the ~20 us of work).
-constexpr int64_t kTaskGrain = 16;
+// Tasks a thread takes at least: 1, so that a decode step's 8 adapters split over both cores (8 streams x 8
+// adapters: 0.70-0.75x of base against 0.61-0.63x on one thread, quiet machine, BENCHMARKS.md); on a machine
+// busy with other work the hand-off to a descheduled second thread costs more than that.
+constexpr int64_t kTaskGrain = 1;
 
 inline float to_float(float v) { return v; }
 // bf16 -> float is a shift; written out so that the compiler vectorizes it.
