@@ -259,14 +259,14 @@ def test_decode_layers_run_k_quants_and_row_stacks_in_cpp(mixed_gguf, batch: int
     model = LlamaModel.from_weights(mixed_gguf.config, mixed_gguf.weights, quantized=True)
     first, second = model.layers
     assert (first.qkv.form, first.o_proj.form, first.gate_up.form, first.down.form) == (
-        "int4_vnni+q6_k_vnni", "q5_k_vnni", "int4_vnni+q8_0_vnni", "q6_k_vnni")
+        "q4_k_vnni+q6_k_vnni", "q5_k_vnni", "q4_k_vnni+q8_0_vnni", "q6_k_vnni")
     assert (second.qkv.form, second.o_proj.form, second.down.form) == (
         "q8_0_vnni+q8_0_vnni+q5_k_vnni", "q8_0_vnni", "q8_0_vnni")
     plan = model.decode_plan(batch)
     assert model.fused_decode and plan is not None  # the C++ loop really runs
     f = ProjectionForm
-    packed = [2, f.INT4_DOT, 384, f.Q6_K, 128, 1, f.Q5_K, 256, 2, f.INT4_DOT, 512, f.Q8_DOT, 512, 1, f.Q6_K, 256,
-              3, f.Q8_DOT, 256, f.Q8_DOT, 128, f.Q5_K, 128, 1, f.Q8_DOT, 256, 1, f.INT4_DOT, 1024, 1, f.Q8_DOT, 256]
+    packed = [2, f.Q4_K, 384, f.Q6_K, 128, 1, f.Q5_K, 256, 2, f.Q4_K, 512, f.Q8_DOT, 512, 1, f.Q6_K, 256,
+              3, f.Q8_DOT, 256, f.Q8_DOT, 128, f.Q5_K, 128, 1, f.Q8_DOT, 256, 1, f.Q4_K, 1024, 1, f.Q8_DOT, 256]
     dense = [1, f.DENSE, 512, 1, f.DENSE, 256, 1, f.DENSE, 1024, 1, f.DENSE, 256] * 2
     assert plan.layout == (packed if batch <= 8 else dense)
     (cpp_logits, cpp_kv), (py_logits, py_kv) = _decode_twice(model, batch)

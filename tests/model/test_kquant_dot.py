@@ -1,4 +1,4 @@
-"""Q5_K and Q6_K packed for the int8-dot kernels (model/kquant_dot.py, csrc/kquant_dot_blocks.inc): the file's
+"""Q4_K, Q5_K and Q6_K packed for the int8-dot kernels (model/kquant_dot.py, csrc/kquant_dot_blocks.inc): the file's
 values bit for bit, products within the activations' rounding of the dequantized fp32 product (native build,
 AVX2 build and PyTorch twin), and a tiny model of K-quant weights generating the dequantized model's tokens."""
 
@@ -35,6 +35,7 @@ from tokenloop.model.quantized import (
 _BLOCK_BYTES = {QType.Q5_K: 176, QType.Q6_K: 210, QType.Q4_K: 144}
 _HEADERS = {QType.Q5_K: [0, 2], QType.Q6_K: [208], QType.Q4_K: [0, 2]}  # where each fp16 super-block scale sits
 native = cpu_kernels.paged_decode_kernels()
+_K_TYPES = st.sampled_from([QType.Q4_K, QType.Q5_K, QType.Q6_K])
 needs_dot = pytest.mark.skipif(not int8_dot_available(), reason="int8-dot kernels do not run natively here")
 
 
@@ -51,7 +52,7 @@ def k_quant(tensor_type: QType, rows: int, cols: int, seed: int, scale: float = 
 
 
 def _coded(weight: KQuantDotWeight) -> torch.Tensor:
-    """The part of W the activations' codes multiply: all of it for Q6_K, d sc q (not dmin mn) for Q5_K."""
+    """The part of W the activations' codes multiply: all of it for Q6_K, d sc q (not dmin mn) for Q4_K, Q5_K."""
     codes, sub, supers = weight.unpack(torch.arange(weight.out_features))
     scale, _ = weight.block_scales(sub, supers)
     grouped = codes.view(codes.shape[0], -1, scale.shape[-1], 32 // scale.shape[-1]).float()
@@ -59,7 +60,7 @@ def _coded(weight: KQuantDotWeight) -> torch.Tensor:
 
 
 @settings(max_examples=30, deadline=None)
-@given(tensor_type=st.sampled_from([QType.Q5_K, QType.Q6_K]), n=st.integers(1, 40), supers=st.integers(1, 3),
+@given(tensor_type=_K_TYPES, n=st.integers(1, 40), supers=st.integers(1, 3),
        seed=st.integers(0, 2**16))
 def test_pack_keeps_the_files_values_bit_for_bit(tensor_type: QType, n: int, supers: int, seed: int) -> None:
     tensor, reference = k_quant(tensor_type, n, 256 * supers, seed)
@@ -73,7 +74,7 @@ def test_pack_keeps_the_files_values_bit_for_bit(tensor_type: QType, n: int, sup
 
 
 @settings(max_examples=30, deadline=None)
-@given(tensor_type=st.sampled_from([QType.Q5_K, QType.Q6_K]), n=st.integers(1, 70), supers=st.integers(1, 3),
+@given(tensor_type=_K_TYPES, n=st.integers(1, 70), supers=st.integers(1, 3),
        rows=st.integers(1, 20), seed=st.integers(0, 2**16))
 def test_product_matches_the_dequantized_one(tensor_type: QType, n: int, supers: int, rows: int, seed: int) -> None:
     """The native kernel and the PyTorch twin against the fp64 product of ggml's values, within the activations'
@@ -108,7 +109,7 @@ def avx2() -> ModuleType:
 
 
 @settings(max_examples=15, deadline=None)
-@given(tensor_type=st.sampled_from([QType.Q5_K, QType.Q6_K]), n=st.integers(1, 40), rows=st.integers(1, 6),
+@given(tensor_type=_K_TYPES, n=st.integers(1, 40), rows=st.integers(1, 6),
        seed=st.integers(0, 2**16))
 def test_avx2_build_gives_the_native_products(avx2: ModuleType, tensor_type: QType, n: int, rows: int,
                                               seed: int) -> None:
@@ -130,8 +131,8 @@ def test_avx2_build_gives_the_native_products(avx2: ModuleType, tensor_type: QTy
 
 @needs_dot
 def test_pack_linear_and_mixed_fusion_run_the_k_quant_kernels() -> None:
-    """Q5_K / Q6_K matrices pack for the kernels (no float32 copy for the logits); Q/K/V of different K-quants fuse
-    into a row stack whose product is the concatenated one."""
+    """Q4_K / Q5_K / Q6_K matrices pack for the kernels (no float32 copy for the logits); Q/K/V of different
+    K-quants fuse into a row stack whose product (one kernel call) is the concatenated one of its parts."""
     q, _ = k_quant(QType.Q4_K, 32, 256, seed=2)
     v, ref_v = k_quant(QType.Q6_K, 16, 256, seed=3)
     head = pack_linear(v, PackThresholds(), dense_dtype=torch.float32)
@@ -139,7 +140,7 @@ def test_pack_linear_and_mixed_fusion_run_the_k_quant_kernels() -> None:
     k, _ = k_quant(QType.Q4_K, 16, 256, seed=7)
     fused = pack_fused([q, k, v], PackThresholds.always_packed())  # Q and K of one type share a pack
     assert isinstance(fused, PackedLinear) and isinstance(fused.packed, RowStack)
-    assert fused.form == "int4_vnni+q6_k_vnni" and fused.packed.out_features == 64
+    assert fused.form == "q4_k_vnni+q6_k_vnni" and fused.packed.out_features == 64
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
     parts = [pack_linear(GGMLTensor.concat([q, k]), PackThresholds.always_packed()), head]
     assert torch.equal(fused(x), torch.cat([part.packed.matmul(x) for part in parts], dim=1))
@@ -182,7 +183,7 @@ def test_k_quant_tiny_model_generates_the_dequantized_models_tokens() -> None:
     prompt = torch.randint(512, (12,), generator=torch.Generator().manual_seed(8)).tolist()
     model = LlamaModel.from_weights(config, kept, quantized=True, thresholds=PackThresholds.always_packed())
     layer = model.layers[0]
-    assert isinstance(layer.qkv, PackedLinear) and layer.qkv.form == "int4_vnni+q5_k_vnni+q6_k_vnni"
+    assert isinstance(layer.qkv, PackedLinear) and layer.qkv.form == "q4_k_vnni+q5_k_vnni+q6_k_vnni"
     assert layer.down.form == "q6_k_vnni" and model.lm_head.weight.form == "q6_k_vnni"
     assert isinstance(model.embed, QuantizedEmbedding)
 
@@ -195,6 +196,30 @@ def test_k_quant_tiny_model_generates_the_dequantized_models_tokens() -> None:
         return sequence.token_ids[len(prompt):]
 
     assert greedy(model) == greedy(reference)
+
+
+@needs_dot
+@settings(max_examples=20, deadline=None)
+@given(widths=st.lists(st.integers(1, 200), min_size=2, max_size=3), rows=st.integers(1, 9),
+       threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_row_stack_in_one_call_equals_its_parts_one_by_one(widths: list[int], rows: int, threads: int,
+                                                           seed: int) -> None:
+    """`int8_dot_stack` (x quantized once, every part's tiles split over the threads by bytes, each part's columns
+    written side by side) gives bit for bit its parts' own products, concatenated: ragged widths put a part's
+    padded last tile next to the following part's first column."""
+    kinds = [QType.Q4_K, QType.Q6_K, QType.Q5_K]
+    tensors = [k_quant(kind, width, 512, seed + i)[0]
+               for i, (kind, width) in enumerate(zip(kinds, widths, strict=False))]
+    parts = [KQuantDotWeight.from_ggml(t.tensor_type, t.blocks, t.shape) for t in tensors]
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(seed))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        one_call = RowStack(list(parts)).matmul(x)
+        one_by_one = torch.cat([part.matmul(x) for part in parts], dim=1)
+    finally:
+        torch.set_num_threads(saved)
+    assert one_call.shape == (rows, sum(widths)) and torch.equal(one_call, one_by_one)
 
 
 def test_dense_copies_only_within_the_models_budget() -> None:

@@ -19,12 +19,10 @@ import torch
 
 from tokenloop.config import KVGroup, ModelConfig
 from tokenloop.model.attention import AttentionMetadata, paged_attention
-from tokenloop.model.int8_dot import Int4DotWeight, Q8DotWeight
-from tokenloop.model.kquant_dot import KQuantDotWeight
 from tokenloop.model.layers.layer_weights import LayerWeights
 from tokenloop.model.layers.linear import Weight, input_dtype, project
 from tokenloop.model.layers.rotary import RotaryTables
-from tokenloop.model.quantized import Int4Weight, Pack, PackedLinear, Q8Weight, RowStack
+from tokenloop.model.quantized import Int4Weight, Pack, PackedLinear, Q8Weight, RowStack, int8_dot_form
 
 if TYPE_CHECKING:
     from tokenloop.model.lora_slots import LoRABatch
@@ -40,6 +38,7 @@ class ProjectionForm(IntEnum):
     Q8_DOT = 4
     Q5_K = 5  # `KQuantDotWeight` (its `kind`)
     Q6_K = 6
+    Q4_K = 7
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,6 @@ class DecodePlan:
 
 
 _NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales
-_DOT_FORMS = {Int4DotWeight: ProjectionForm.INT4_DOT, Q8DotWeight: ProjectionForm.Q8_DOT}
 _NO_NORM = torch.empty(0)  # marks a place without a norm for the kernels
 
 
@@ -96,9 +94,7 @@ def _pack_part(pack: Pack) -> ProjectionPart:
         return ProjectionPart(pack.packed, pack.scales_zeros, ProjectionForm.TORCH_INT4, pack.out_features)
     if isinstance(pack, Q8Weight):
         return ProjectionPart(pack.codes, pack.scales, ProjectionForm.Q8_FLOAT, pack.out_features)
-    if isinstance(pack, KQuantDotWeight):
-        return ProjectionPart(pack.codes, pack.scales, ProjectionForm(pack.kind), pack.out_features)
-    return ProjectionPart(pack.codes, pack.scales, _DOT_FORMS[type(pack)], pack.out_features)
+    return ProjectionPart(pack.codes, pack.scales, ProjectionForm(int8_dot_form(pack)), pack.out_features)
 
 
 def layers_fusable(layers: list[LayerWeights]) -> bool:

@@ -1,4 +1,4 @@
-"""Q5_K and Q6_K weights packed for the int8 dot-product kernels (csrc/kquant_dot_blocks.inc), exactly.
+"""Q4_K, Q5_K and Q6_K weights packed for the int8 dot-product kernels (csrc/kquant_dot_blocks.inc), exactly.
 
 The K-quants' 256-value super-blocks are decoded once at load into integer codes and their two levels of
 scales, and kept as they are (no float copy):
@@ -6,10 +6,13 @@ scales, and kept as they are (no float copy):
 - Q6_K (210 bytes): 6-bit codes q, an int8 scale sc per 16 values, an fp16 d per 256: w = d sc (q - 32).
 - Q5_K (176 bytes): 5-bit codes q, 6-bit sc and mn per 32 values, fp16 d and dmin per 256:
   w = d sc q - dmin mn.
+- Q4_K (144 bytes): as Q5_K with 4-bit codes. Held so (4.63 bits a weight against the file's 4.5), not as the
+  Q4 pack's per-32 fp16 d x sc and dmin x mn (5 bits, and those products rounded to fp16): one-stream decode
+  reads every weight once a token, so its bytes set the speed.
 
 In the kernels' tiles of 16 output rows the codes' low 4 bits sit in the Q4 int8-dot layout (model/int8_dot.py)
 and each higher bit in a plane of its own (one bit per value, 6.56 and 5.63 bits per weight with the scales,
-against the file's 6.56 and 5.5); the kernels rebuild the codes with byte masks, multiply them by the
+against the file's 6.56 and 5.5; Q4_K has none); the kernels rebuild the codes with byte masks, multiply them by the
 activations' int8 codes in exact int32 sums and apply d x sc (exact in float32) per 16 or 32 values. The only
 rounding beyond float32 sums is the activations' (x ~= dx q + dx / 254 r, as for Q4 and Q8_0).
 """
@@ -33,9 +36,11 @@ from tokenloop.model.int8_dot import (
 )
 
 SUPER_BLOCK = 256
-KQUANT_DOT_TYPES = (GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
-_KIND = {GGMLQuantizationType.Q5_K: 5, GGMLQuantizationType.Q6_K: 6}
-_PLANES = {5: 1, 6: 2}  # code bits above the low nibble
+KQUANT_DOT_TYPES = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K)
+# The kernels' form numbers (decode_layers' `Form`): Q4_K took the next free one.
+_KIND = {GGMLQuantizationType.Q5_K: 5, GGMLQuantizationType.Q6_K: 6, GGMLQuantizationType.Q4_K: 7}
+_FORM = {5: "q5_k_vnni", 6: "q6_k_vnni", 7: "q4_k_vnni"}
+_PLANES = {5: 1, 6: 2, 7: 0}  # code bits above the low nibble
 _SLICE_TILES = 64  # the PyTorch twin's tiles at a time (x 16 columns): bounds its [M, N, blocks] partial sums
 
 
@@ -57,6 +62,17 @@ def decode_q5_k(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, n
     return codes, np.stack([sc, mn], axis=-1).reshape(rows, -1, 2), supers
 
 
+def decode_q4_k(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K rows -> codes [rows, cols] uint8 (0..15), per 32 values (sc, mn) [rows, cols / 32, 2] uint8, per 256
+    (d, dmin) [rows, cols / 256, 2] float32."""
+    block = blocks.reshape(rows, cols // SUPER_BLOCK, 144)
+    supers = np.stack([_fp16(block[..., 0:2]), _fp16(block[..., 2:4])], axis=-1)
+    sc, mn = k_scales_mins(block[..., 4:16])
+    qs = block[..., 16:].reshape(rows, -1, 4, 1, 32)  # 32 bytes: sub-blocks 2i (low nibbles) and 2i + 1 (high)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, cols)
+    return codes, np.stack([sc, mn], axis=-1).reshape(rows, -1, 2), supers
+
+
 def decode_q6_k(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q6_K rows -> codes [rows, cols] uint8 (0..63), per 32 values the two halves' sc [rows, cols / 32, 2] (int8
     bits as uint8), per 256 d [rows, cols / 256, 1] float32."""
@@ -74,24 +90,26 @@ def decode_q6_k(blocks: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, n
 
 @dataclass
 class KQuantDotWeight(BlockTiles):
-    """A Q5_K or Q6_K matrix in the kernels' layout: `codes` [tiles, K / 32, bytes] uint8 (nibbles, bit
-    planes, sub-block scales per tile and block), `scales` [tiles, K / 256, S, 16] fp16 (d; Q5_K also dmin).
+    """A Q4_K, Q5_K or Q6_K matrix in the kernels' layout: `codes` [tiles, K / 32, bytes] uint8 (nibbles, bit
+    planes, sub-block scales per tile and block), `scales` [tiles, K / 256, S, 16] fp16 (d; Q4_K, Q5_K also
+    dmin).
     Multiplies float32 into float32; `rows` serve an embedding lookup (one copy for a tied embedding and head)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     out_features: int
-    kind: int  # 5: Q5_K, 6: Q6_K
+    kind: int  # 5: Q5_K, 6: Q6_K, 7: Q4_K
 
     @property
     def form(self) -> str:
-        return f"q{self.kind}_k_vnni"
+        return _FORM[self.kind]
 
     @classmethod
     def from_ggml(cls, tensor_type: GGMLQuantizationType, blocks: np.ndarray, shape: tuple[int, int]
                   ) -> KQuantDotWeight:
-        """The file's rows [rows, row bytes] of a Q5_K or Q6_K matrix of `shape` (N, K)."""
-        decode = decode_q6_k if tensor_type == GGMLQuantizationType.Q6_K else decode_q5_k
+        """The file's rows [rows, row bytes] of a Q4_K, Q5_K or Q6_K matrix of `shape` (N, K)."""
+        decode = {GGMLQuantizationType.Q4_K: decode_q4_k, GGMLQuantizationType.Q5_K: decode_q5_k,
+                  GGMLQuantizationType.Q6_K: decode_q6_k}[tensor_type]
         codes, sub, supers = decode(blocks, *shape)
         return cls.from_parts(torch.from_numpy(codes), torch.from_numpy(sub), torch.from_numpy(supers),
                               _KIND[tensor_type])

@@ -15,9 +15,10 @@ A `GGMLTensor` (`model/ggml_tensor.py`) is a weight matrix as the file stores it
 - Q5_0 -> Q8_0 blocks with the same values (its 5-bit q - 16 is an int8 code beside the same fp16 d), then as
   Q8_0. llama-quantize's K-quant mixes fall back to Q5_0 / Q5_1 where a row is no multiple of 256 values
   (SmolLM2's 576: most of its Q4_K_M is Q5_0).
-- Q5_K / Q6_K -> their integer codes and two levels of scales for our int8-dot kernels (`model/kquant_dot.py`),
-  exactly, where those kernels run natively; a projection whose parts differ in type (a Q4_K_M file's Q4_K Q
-  and K beside a Q6_K V) is a `RowStack` of packs.
+- Q4_K / Q5_K / Q6_K -> their integer codes and two levels of scales for our int8-dot kernels
+  (`model/kquant_dot.py`), exactly, where those kernels run natively (else Q4_K goes to torch's int4 layout
+  above); a projection whose parts differ in type (a Q4_K_M file's Q4_K Q and K beside a Q6_K V) is a
+  `RowStack` of packs.
 - anything else (Q5_1, Q2_K, Q3_K; K-quants without the int8-dot kernels) -> a dense bf16 matrix, dequantized
   one tensor at a time.
 
@@ -248,6 +249,14 @@ Pack = Int4Weight | Q8Weight | Int4DotWeight | Q8DotWeight | KQuantDotWeight  # 
 FLOAT32_OUT_PACKS = (Int4DotWeight, Q8DotWeight, KQuantDotWeight)  # the int8-dot packs: float32 in and out
 
 
+def int8_dot_form(pack: Int4DotWeight | Q8DotWeight | KQuantDotWeight) -> int:
+    """The number the int8-dot kernels know a pack's layout by (`int8_dot_stack`'s forms, decode_layers' `Form`):
+    3 Q4, 4 Q8_0, 5 Q5_K, 6 Q6_K."""
+    if isinstance(pack, KQuantDotWeight):
+        return pack.kind
+    return 3 if isinstance(pack, Int4DotWeight) else 4
+
+
 @dataclass
 class PackedLinear:
     """One projection held as a packed quantized form, optionally with a dense copy for large batches.
@@ -292,10 +301,11 @@ class PackedLinear:
 
 @dataclass
 class RowStack:
-    """Row blocks of one projection packed in different forms (llama-quantize's Q4_K_M gives some layers'
-    V projection Q6_K beside Q4_K Q and K): each block's kernel runs, and their outputs are concatenated."""
+    """Row blocks of one projection packed in different int8-dot forms (llama-quantize's Q4_K_M gives some
+    layers' V projection Q6_K beside Q4_K Q and K): one kernel call (`int8_dot_stack`) quantizes x once and
+    runs every block in one parallel region, writing their outputs side by side."""
 
-    parts: list[Pack]
+    parts: list[Int4DotWeight | Q8DotWeight | KQuantDotWeight]
 
     @property
     def form(self) -> str:
@@ -314,8 +324,17 @@ class RowStack:
         return sum(part.nbytes for part in self.parts)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> x @ W.T [M, N] float32."""
-        return torch.cat([part.matmul(x) for part in self.parts], dim=1)
+        """x [M, K] -> x @ W.T [M, N] float32 (each part's kernel in turn where the compiled kernels are missing)."""
+        kernel = paged_decode_kernels()
+        if kernel is None or not hasattr(kernel, "int8_dot_stack"):
+            return torch.cat([part.matmul(x) for part in self.parts], dim=1)
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"{self.form} matmul: x [M, {self.in_features}] expected, got {tuple(x.shape)}")
+        out = torch.empty(x.shape[0], self.out_features)
+        kernel.int8_dot_stack(x.float().contiguous(), [part.codes for part in self.parts],
+                              [part.scales for part in self.parts], [int8_dot_form(part) for part in self.parts],
+                              [part.out_features for part in self.parts], out)
+        return out
 
 
 def pack_fused(parts: list[GGMLTensor], thresholds: PackThresholds = PackThresholds(),
@@ -344,21 +363,21 @@ def pack_linear(weight: GGMLTensor | torch.Tensor, thresholds: PackThresholds = 
     large batches), or the dense matrix alone where no packed kernel fits the encoding."""
     dot = thresholds.int8_dot and int8_dot_available()
     q4_codes = None
-    if isinstance(weight, GGMLTensor) and weight.tensor_type in INT4_TYPES:
+    if isinstance(weight, GGMLTensor) and weight.tensor_type in KQUANT_DOT_TYPES and dot:
+        # Q4_K too: its own two levels of scales take fewer bytes than the Q4 pack's per-32 fp16 pairs
+        packed: Pack = KQuantDotWeight.from_ggml(weight.tensor_type, weight.blocks, weight.shape)
+        max_rows = thresholds.int4_max_rows
+    elif isinstance(weight, GGMLTensor) and weight.tensor_type in INT4_TYPES:
         # Unpacked once for the pack and the dense copy, where the pack needs them: the int8-dot pack takes
         # Q4_0 / Q4_1 bytes as they are, and so does the dense copy's C++ unpack (a start's packing ~30% less).
         if not (dot and weight.stores_nibble_pairs):
             q4_codes = weight.q4_codes()
-        packed: Pack = (
-            Int4DotWeight.from_q4(weight, q4_codes) if dot else Int4Weight.from_q4(weight, q4_codes))
+        packed = Int4DotWeight.from_q4(weight, q4_codes) if dot else Int4Weight.from_q4(weight, q4_codes)
         max_rows = thresholds.int4_max_rows
     elif isinstance(weight, GGMLTensor) and weight.tensor_type in Q8_EXACT_TYPES:
         weight = weight.as_q8_0()
         packed = Q8DotWeight.from_q8(weight) if dot else Q8Weight.from_q8(weight)
         max_rows = thresholds.q8_max_rows
-    elif isinstance(weight, GGMLTensor) and weight.tensor_type in KQUANT_DOT_TYPES and dot:
-        packed = KQuantDotWeight.from_ggml(weight.tensor_type, weight.blocks, weight.shape)
-        max_rows = thresholds.int4_max_rows
     else:
         return dense_weight(weight, dense_dtype)
     dense = None

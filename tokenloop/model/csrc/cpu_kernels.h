@@ -49,6 +49,9 @@ void q8_0_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const t
                      torch::Tensor& out);
 void kquant_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                        torch::Tensor& out, int64_t kind);
+void int8_dot_stack(const torch::Tensor& x, const std::vector<torch::Tensor>& codes,
+                    const std::vector<torch::Tensor>& scales, const std::vector<int64_t>& forms,
+                    const std::vector<int64_t>& widths, torch::Tensor& out);
 bool int8_dot_native();
 // fused_layer_ops.cpp
 void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& delta_weight,

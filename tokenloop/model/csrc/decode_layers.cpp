@@ -34,7 +34,9 @@ torch::Tensor prepacked_linear(const torch::Tensor& x, const torch::Tensor& weig
 // How one part of a projection is held (fused_cpu.ProjectionForm: the same numbers). A part's output width may
 // be below its pack's padded rows (tiles of 16, torch's int4 N multiple); its K is the layer's width, except
 // torch's int4 pack, whose padded K the activations are zero-padded to, as `Int4Weight.matmul` does.
-enum class Form : int64_t { kDense = 0, kTorchInt4 = 1, kQ8Float = 2, kInt4Dot = 3, kQ8Dot = 4, kQ5K = 5, kQ6K = 6 };
+enum class Form : int64_t {
+  kDense = 0, kTorchInt4 = 1, kQ8Float = 2, kInt4Dot = 3, kQ8Dot = 4, kQ5K = 5, kQ6K = 6, kQ4K = 7
+};
 
 struct Part {
   const torch::Tensor& matrix;  // a pack's codes, or a dense matrix (bf16 or float32; plain or oneDNN-prepacked)
@@ -63,24 +65,35 @@ struct Part {
       case Form::kQ8Float: q8_0_tiled_matmul(x, matrix, scales, out); break;
       case Form::kInt4Dot: int4_dot_matmul(x, matrix, scales, out); break;
       case Form::kQ8Dot: q8_0_dot_matmul(x, matrix, scales, out); break;
-      default: kquant_dot_matmul(x, matrix, scales, out, static_cast<int64_t>(form)); break;  // 5 or 6: Q5_K, Q6_K
+      default: kquant_dot_matmul(x, matrix, scales, out, static_cast<int64_t>(form)); break;  // Q5_K, Q6_K, Q4_K
     }
     return out;
   }
 };
 
-// One projection as the caller chose it for this step's row count: one part, or a row stack of float32-out
-// packs whose outputs are concatenated (`RowStack`: a Q4_K_M file's Q4_K Q and K beside a Q6_K V).
+// One projection as the caller chose it for this step's row count: one part, or a row stack of int8-dot packs
+// (`RowStack`: a Q4_K_M file's Q4_K Q and K beside a Q6_K V), run as one kernel call that quantizes x once and
+// writes every part's columns side by side.
 struct Projection {
   std::vector<Part> parts;
+  std::vector<torch::Tensor> codes, scales;  // a row stack's packs, as int8_dot_stack takes them
+  std::vector<int64_t> forms, widths;
+  int64_t width = 0;
 
+  void add(const Part& part) {
+    parts.push_back(part);
+    codes.push_back(part.matrix);
+    scales.push_back(part.scales);
+    forms.push_back(static_cast<int64_t>(part.form));
+    widths.push_back(part.width);
+    width += part.width;
+  }
   c10::ScalarType input_dtype() const { return parts.front().input_dtype(); }
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (parts.size() == 1) return parts.front()(x);
-    std::vector<torch::Tensor> outs;
-    outs.reserve(parts.size());
-    for (const Part& part : parts) outs.push_back(part(x));
-    return torch::cat(outs, 1);
+    torch::Tensor out = torch::empty({x.size(0), width}, x.options().dtype(torch::kFloat32));
+    int8_dot_stack(x, codes, scales, forms, widths, out);
+    return out;
   }
 };
 
@@ -100,12 +113,12 @@ std::vector<Projection> read_projections(const std::vector<torch::Tensor>& matri
                 "decode_layers: layout names more parts than it or the matrices hold");
     for (int64_t i = 0; i < parts; ++i, ++part, at += 2) {
       const int64_t form = layout[at];
-      TORCH_CHECK(form >= 0 && form <= static_cast<int64_t>(Form::kQ6K), "decode_layers: unknown form ", form);
-      projection.parts.push_back(Part{matrices[part], scales[part], static_cast<Form>(form), layout[at + 1]});
+      TORCH_CHECK(form >= 0 && form <= static_cast<int64_t>(Form::kQ4K), "decode_layers: unknown form ", form);
+      projection.add(Part{matrices[part], scales[part], static_cast<Form>(form), layout[at + 1]});
     }
     for (const Part& p : projection.parts)
-      TORCH_CHECK(parts == 1 || p.input_dtype() == torch::kFloat32,
-                  "decode_layers: a row stack's parts must all take float32 activations");
+      TORCH_CHECK(parts == 1 || p.form >= Form::kInt4Dot,
+                  "decode_layers: a row stack's parts must all be int8-dot packs");
   }
   TORCH_CHECK(at == layout.size() && part == matrices.size(), "decode_layers: layout and matrices do not match");
   return projections;

@@ -587,6 +587,16 @@ void scalar_block(const Activations& a, const Weights& w, int64_t row0, int64_t 
   }
 }
 
+template <int R, int T>
+void q4_block(const Activations& a, const Weights& w, int64_t row0, int64_t tile0, float* out, int64_t ldo) {
+  scalar_block<true>(a, w, row0, R, tile0, T, out, ldo);
+}
+
+template <int R, int T>
+void q8_block(const Activations& a, const Weights& w, int64_t row0, int64_t tile0, float* out, int64_t ldo) {
+  scalar_block<false>(a, w, row0, R, tile0, T, out, ldo);
+}
+
 #endif
 
 using BlockFn = void (*)(const Activations&, const Weights&, int64_t, int64_t, float*, int64_t);
@@ -613,13 +623,10 @@ constexpr Blocking kBlocking{4, 2, 1, 3, 2};
 constexpr int kMaxRows = 2, kMaxTiles = 1;
 constexpr Blocking kBlocking{2, 1, 1, 1, 1};
 #else
-constexpr int kMaxRows = 4;
+constexpr int kMaxRows = 4, kMaxTiles = 3;
 constexpr Blocking kBlocking{4, 2, 1, 3, 2};
 #endif
 
-using BlockFn = void (*)(const Activations&, const Weights&, int64_t, int64_t, float*, int64_t);
-
-#ifdef TOKENLOOP_DOT_SIMD
 // One instantiation per row count 1..kMaxRows and tile count 1..kMaxTiles, so ragged blocks keep their
 // accumulators in registers.
 template <bool Q4, int T, int... R>
@@ -632,85 +639,168 @@ constexpr std::array<std::array<BlockFn, kMaxRows>, sizeof...(T)> block_table(st
 }
 constexpr auto kQ4Blocks = block_table<true>(std::make_integer_sequence<int, kMaxTiles>{});
 constexpr auto kQ8Blocks = block_table<false>(std::make_integer_sequence<int, kMaxTiles>{});
-#endif
-
-// Tiles in blocks across threads; rows in blocks within each.
-template <bool Q4>
-void dot_matmul(const Activations& a, const Weights& w, float* out, int64_t ldo) {
-  const int64_t tiles_per_block = kBlocking.tiles(Q4, a.rows), rows_per_block = kBlocking.rows;
-  const int64_t blocks = (w.tiles + tiles_per_block - 1) / tiles_per_block;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, 8 / tiles_per_block), [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t tile0 = b * tiles_per_block, tiles = std::min(tiles_per_block, w.tiles - tile0);
-      for (int64_t row0 = 0; row0 < a.rows; row0 += rows_per_block) {
-        const int64_t rows = std::min(rows_per_block, a.rows - row0);
-#ifdef TOKENLOOP_DOT_SIMD
-        (Q4 ? kQ4Blocks : kQ8Blocks)[tiles - 1][rows - 1](a, w, row0, tile0, out, ldo);
-#else
-        scalar_block<Q4>(a, w, row0, rows, tile0, tiles, out, ldo);
-#endif
-      }
-    }
-  });
-}
-
-void check_operands(const char* name, const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
-                    const torch::Tensor& out, int64_t tile_bytes, int64_t scale_dims) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && codes.dtype() == torch::kUInt8 && scales.dtype() == torch::kFloat16 &&
-                  out.dtype() == torch::kFloat32,
-              name, ": float32 x, uint8 codes, float16 scales and float32 out expected, got ", x.dtype(), ", ",
-              codes.dtype(), ", ", scales.dtype(), ", ", out.dtype());
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 3 && scales.dim() == scale_dims && out.dim() == 2, name,
-              ": x [M, K], codes [N/16, K/32, ", tile_bytes, "], out [M, N] expected");
-  TORCH_CHECK(x.is_contiguous() && codes.is_contiguous() && scales.is_contiguous() && out.is_contiguous(), name,
-              ": contiguous tensors expected");
-  const int64_t tiles = codes.size(0), groups = codes.size(1), k = x.size(1), n = out.size(1);
-  TORCH_CHECK(codes.size(2) == tile_bytes, name, ": codes ", codes.sizes(), " are not in tiles of ", tile_bytes,
-              " bytes a block");
-  TORCH_CHECK(k > (groups - 1) * kGroup && k <= groups * kGroup, name, ": x has K = ", k, ", the codes ", groups,
-              " blocks of 32");
-  TORCH_CHECK(scales.size(0) == tiles && scales.size(1) == groups && scales.size(-1) == kLanes &&
-                  (scale_dims == 3 || scales.size(2) == 2),
-              name, ": scales ", scales.sizes(), " do not match codes ", codes.sizes());
-  TORCH_CHECK(out.size(0) == x.size(0) && n > (tiles - 1) * kLanes && n <= tiles * kLanes, name, ": out ",
-              out.sizes(), " does not match ", x.size(0), " rows and ", tiles, " tiles");
-}
-
-template <bool Q4>
-void run(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, torch::Tensor& out) {
-  const int64_t rows = x.size(0);
-  if (rows == 0) return;
-  const Activations a = quantize_activations(x.data_ptr<float>(), rows, x.size(1), codes.size(1));
-  const Weights w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                  codes.size(0), codes.size(1), out.size(1)};
-  dot_matmul<Q4>(a, w, out.data_ptr<float>(), out.size(1));
-}
 
 #include "kquant_dot_blocks.inc"  // Q5_K and Q6_K: the same activations, tiles and stores
 
+// The int8-dot formats, numbered as decode_layers' Form (fused_cpu.ProjectionForm).
+enum class DotFormat : int64_t { kQ4 = 3, kQ8 = 4, kQ5K = 5, kQ6K = 6, kQ4K = 7 };
+
+// One pack of a projection's rows: its kernel, its tiles, and the first output column it writes.
+struct DotPart {
+  DotFormat format;
+  Weights w;
+  int64_t column;
+  int64_t tile_bytes;  // the codes and scales one tile reads: what the threads' shares are measured in
+};
+
+int64_t tiles_per_block(DotFormat format, int64_t rows) {
+  switch (format) {
+    case DotFormat::kQ4: return kBlocking.tiles(true, rows);
+    case DotFormat::kQ8: return kBlocking.tiles(false, rows);
+    default: return std::min<int64_t>(kKQuantMaxTiles, kBlocking.tiles(true, rows));
+  }
+}
+
+BlockFn block_fn(DotFormat format, int64_t tiles, int64_t rows) {
+  switch (format) {
+    case DotFormat::kQ4: return kQ4Blocks[tiles - 1][rows - 1];
+    case DotFormat::kQ8: return kQ8Blocks[tiles - 1][rows - 1];
+    case DotFormat::kQ5K: return kQ5KBlocks[tiles - 1][rows - 1];
+    case DotFormat::kQ4K: return kQ4KBlocks[tiles - 1][rows - 1];
+    default: return kQ6KBlocks[tiles - 1][rows - 1];
+  }
+}
+
+// Below this many tiles in all, one thread: waking the other costs more than it saves.
+constexpr int64_t kSerialTiles = 8;
+
+// Every part's tiles, in blocks, in one parallel region: each thread takes the blocks that start in its equal
+// share of the bytes (a Q6_K tile reads 1.3x a Q4 one), rows in blocks within each, and writes its columns
+// straight into `out` (a row stack's parts side by side: no concatenation). A column's sums do not depend on
+// the split, so a row stack gives bit for bit what its parts give one by one.
+void dot_parts(const Activations& a, const std::vector<DotPart>& parts, float* out, int64_t ldo) {
+  struct Unit {
+    const DotPart* part;
+    int64_t tile0, tiles, start;  // start: the bytes of the units before it
+  };
+  std::vector<Unit> units;
+  int64_t total = 0, all_tiles = 0;
+  for (const DotPart& part : parts) {
+    const int64_t step = tiles_per_block(part.format, a.rows);
+    for (int64_t tile0 = 0; tile0 < part.w.tiles; tile0 += step) {
+      const int64_t tiles = std::min(step, part.w.tiles - tile0);
+      units.push_back(Unit{&part, tile0, tiles, total});
+      total += tiles * part.tile_bytes;
+    }
+    all_tiles += part.w.tiles;
+  }
+  const auto run_units = [&](size_t begin, size_t end) {
+    for (size_t u = begin; u < end; ++u) {
+      const Unit& unit = units[u];
+      for (int64_t row0 = 0; row0 < a.rows; row0 += kBlocking.rows) {
+        const int64_t rows = std::min<int64_t>(kBlocking.rows, a.rows - row0);
+        block_fn(unit.part->format, unit.tiles, rows)(a, unit.part->w, row0, unit.tile0, out + unit.part->column,
+                                                     ldo);
+      }
+    }
+  };
+  const int64_t threads = all_tiles < kSerialTiles ? 1 : at::get_num_threads();
+  if (threads <= 1 || at::in_parallel_region()) {
+    run_units(0, units.size());
+    return;
+  }
+  const auto first_at = [&](int64_t share) {  // the first unit starting at or after share / threads of the bytes
+    const int64_t bytes = total * share / threads;
+    return static_cast<size_t>(std::lower_bound(units.begin(), units.end(), bytes,
+                                                [](const Unit& unit, int64_t b) { return unit.start < b; }) -
+                               units.begin());
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) { run_units(first_at(begin), first_at(end)); });
+}
+
+// Checks one pack's operands against x and the output columns it fills, and describes it for dot_parts.
+DotPart make_part(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, int64_t form,
+                  int64_t width, int64_t column) {
+  TORCH_CHECK(form >= static_cast<int64_t>(DotFormat::kQ4) && form <= static_cast<int64_t>(DotFormat::kQ4K),
+              "int8_dot: form 3 (Q4), 4 (Q8_0), 5 (Q5_K), 6 (Q6_K) or 7 (Q4_K) expected, got ", form);
+  const DotFormat format = static_cast<DotFormat>(form);
+  const bool kquant = format >= DotFormat::kQ5K;
+  const int64_t bytes = format == DotFormat::kQ4 ? kQ4Bytes
+                        : format == DotFormat::kQ8 ? kQ8Bytes
+                        : format == DotFormat::kQ6K ? KLayout<KQuant::kQ6K>::bytes
+                        : format == DotFormat::kQ5K ? KLayout<KQuant::kQ5K>::bytes : KLayout<KQuant::kQ4K>::bytes;
+  // scales per tile: Q4 [K/32][2][16], Q8_0 [K/32][16], K-quants [K/256][S][16] (S: Q6_K's d, or d and dmin)
+  const int64_t scale_dims = format == DotFormat::kQ8 ? 3 : 4;
+  const int64_t supers = format == DotFormat::kQ6K ? 1 : 2;
+  TORCH_CHECK(codes.dtype() == torch::kUInt8 && scales.dtype() == torch::kFloat16,
+              "int8_dot: uint8 codes and float16 scales expected, got ", codes.dtype(), ", ", scales.dtype());
+  TORCH_CHECK(codes.dim() == 3 && scales.dim() == scale_dims && codes.is_contiguous() && scales.is_contiguous(),
+              "int8_dot: contiguous codes [N/16, K/32, ", bytes, "] and scales of ", scale_dims, " dims expected");
+  const int64_t tiles = codes.size(0), groups = codes.size(1), k = x.size(1);
+  TORCH_CHECK(codes.size(2) == bytes, "int8_dot: codes ", codes.sizes(), " are not in tiles of ", bytes,
+              " bytes a block");
+  if (kquant) {
+    TORCH_CHECK(groups % kSuperGroups == 0 && k == groups * kGroup, "int8_dot: x has K = ", k, ", the codes ",
+                groups, " blocks of 32 (whole super-blocks of 256)");
+  } else {
+    TORCH_CHECK(k > (groups - 1) * kGroup && k <= groups * kGroup, "int8_dot: x has K = ", k, ", the codes ",
+                groups, " blocks of 32");
+  }
+  TORCH_CHECK(scales.size(0) == tiles && scales.size(1) == (kquant ? groups / kSuperGroups : groups) &&
+                  scales.size(-1) == kLanes && (scale_dims == 3 || scales.size(2) == supers),
+              "int8_dot: scales ", scales.sizes(), " do not match codes ", codes.sizes());
+  TORCH_CHECK(width > (tiles - 1) * kLanes && width <= tiles * kLanes, "int8_dot: a width of ", width,
+              " columns does not match ", tiles, " tiles");
+  const Weights w{codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), tiles,
+                  groups, width};
+  return DotPart{format, w, column, (codes.numel() + 2 * scales.numel()) / tiles};
+}
+
 }  // namespace
 
-// x [M, K] float32; codes [ceil(N/16), ceil(K/32), 256] uint8; scales [ceil(N/16), ceil(K/32), 2, 16] float16
-// (d, m); out [M, N] float32. All contiguous.
+// x [M, K] float32; per part codes and scales in its form's layout (`make_part`; Q4: codes [ceil(N/16),
+// ceil(K/32), 256], scales [ceil(N/16), ceil(K/32), 2, 16] (d, m); Q8_0: codes [.., K/32, 512] (code + 128),
+// scales [.., K/32, 16]; Q5_K / Q6_K: kquant_dot_blocks.inc), its form (3 Q4, 4 Q8_0, 5 Q5_K, 6 Q6_K) and
+// output width; out [M, sum of widths] float32, the parts' columns side by side. All contiguous. The
+// activations are quantized once for every part.
+void int8_dot_stack(const torch::Tensor& x, const std::vector<torch::Tensor>& codes,
+                    const std::vector<torch::Tensor>& scales, const std::vector<int64_t>& forms,
+                    const std::vector<int64_t>& widths, torch::Tensor& out) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32 && x.dim() == 2 && out.dim() == 2 &&
+                  x.is_contiguous() && out.is_contiguous(),
+              "int8_dot: contiguous float32 x [M, K] and out [M, N] expected");
+  TORCH_CHECK(!codes.empty() && scales.size() == codes.size() && forms.size() == codes.size() &&
+                  widths.size() == codes.size(),
+              "int8_dot: codes, scales, a form and a width per part expected");
+  std::vector<DotPart> parts;
+  int64_t column = 0;
+  bool half_sums = false;
+  for (size_t i = 0; i < codes.size(); ++i) {
+    parts.push_back(make_part(x, codes[i], scales[i], forms[i], widths[i], column));
+    column += widths[i];
+    half_sums = half_sums || parts.back().format == DotFormat::kQ6K;
+  }
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == column, "int8_dot: out ", out.sizes(), " does not match ",
+              x.size(0), " rows and the parts' ", column, " columns");
+  if (x.size(0) == 0) return;
+  const Activations a = quantize_activations(x.data_ptr<float>(), x.size(0), x.size(1), codes[0].size(1), half_sums);
+  dot_parts(a, parts, out.data_ptr<float>(), column);
+}
+
 void int4_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                      torch::Tensor& out) {
-  check_operands("int4_dot_matmul", x, codes, scales, out, kQ4Bytes, 4);
-  run<true>(x, codes, scales, out);
+  int8_dot_stack(x, {codes}, {scales}, {static_cast<int64_t>(DotFormat::kQ4)}, {out.size(-1)}, out);
 }
 
-// x [M, K] float32; codes [ceil(N/16), K/32, 512] uint8 (Q8_0 code + 128); scales [ceil(N/16), K/32, 16]
-// float16; out [M, N] float32. All contiguous.
 void q8_0_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                      torch::Tensor& out) {
-  check_operands("q8_0_dot_matmul", x, codes, scales, out, kQ8Bytes, 3);
-  run<false>(x, codes, scales, out);
+  int8_dot_stack(x, {codes}, {scales}, {static_cast<int64_t>(DotFormat::kQ8)}, {out.size(-1)}, out);
 }
 
-// x [M, K] float32 (K a multiple of 256); codes [ceil(N/16), K/32, bytes] uint8 and scales [ceil(N/16), K/256,
-// S, 16] float16 in the layout of kquant_dot_blocks.inc; `kind` 5 (Q5_K) or 6 (Q6_K); out [M, N] float32.
 void kquant_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                        torch::Tensor& out, int64_t kind) {
-  run_kquant(x, codes, scales, out, kind);
+  TORCH_CHECK(kind >= 5 && kind <= 7, "kquant_dot_matmul: kind 5 (Q5_K), 6 (Q6_K) or 7 (Q4_K) expected, got ", kind);
+  int8_dot_stack(x, {codes}, {scales}, {kind}, {out.size(-1)}, out);
 }
 
 bool int8_dot_native() {

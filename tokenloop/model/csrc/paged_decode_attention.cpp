@@ -297,6 +297,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dot_matmul", &int4_dot_matmul, "x @ W.T for 4-bit codes with per-32 d and m, int8 dot products");
   m.def("q8_0_dot_matmul", &q8_0_dot_matmul, "x @ W.T for Q8_0 codes, int8 dot products, float32 in and out");
   m.def("kquant_dot_matmul", &kquant_dot_matmul, "x @ W.T for Q5_K / Q6_K codes, int8 dot products");
+  m.def("int8_dot_stack", &int8_dot_stack, "x @ W.T for a row stack of int8-dot packs, side by side in one out");
   m.def("int8_dot_native", &int8_dot_native, "whether the int8 dot kernels run AVX512-VNNI or AVX2 (else plain loops)");
   m.def("compiled_isa", &compiled_isa, "the instruction sets this build targets, space-separated");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (or RMSNorm(delta)); out = RMSNorm(residual)");
