@@ -89,11 +89,13 @@ def test_fused_cpu_path_equals_op_path(tiny_dir: Path, adapter_dirs: dict[str, P
     assert results[0] == results[1]
 
 
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
 def test_decode_steps_with_adapters_run_in_the_one_call_loop(tiny_dir: Path, adapter_dirs: dict[str, Path],
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                                              monkeypatch: pytest.MonkeyPatch, weight_dtype: str
+                                                              ) -> None:
     """A pure decode step with adapter rows runs every layer in one C++ call (`decode_layers`, the products
     added inside it) and gives the per-layer path's tokens and logprobs, bit for bit (rows of the base model in
-    the same step keep their own)."""
+    the same step keep their own): fp32, and bf16 weights and adapters (bf16 projection outputs)."""
     from tokenloop.model import fused_cpu
 
     names = ["a", None, "b", "c", "a"]
@@ -111,9 +113,10 @@ def test_decode_steps_with_adapters_run_in_the_one_call_loop(tiny_dir: Path, ada
     monkeypatch.setattr(fused_cpu, "_decode_all_layers", counted)
     results = []
     for one_call_loop in (True, False):
-        llm = _llm(tiny_dir, adapter_dirs, max_loras=3)
+        llm = _llm(tiny_dir, adapter_dirs, max_loras=3, weight_dtype=weight_dtype)
         if not llm.engine.model.fused_decode:
             pytest.skip("the C++ decode loop is not built here")
+        assert llm.engine.core.adapters.slots.dtype == getattr(torch, weight_dtype)
         llm.engine.model.fused_decode = one_call_loop
         outputs = llm.generate(prompts, params, lora_request=requests, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
