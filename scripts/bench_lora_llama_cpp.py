@@ -8,8 +8,8 @@ package (`general.type` = adapter, `adapter.lora.alpha`, tensors `blk.N.attn_q.w
 llama.cpp's convert_lora_to_gguf.py writes by default, B's Q/K rows interleaved as its converter does).
 Both servers load that one file (`tokenloop serve --lora ad=FILE`, `llama-server --lora FILE`), on 127.0.0.1,
 one after the other: first the same greedy completion from each with and without the adapter (llama.cpp's
-per-request `lora` scale 0 for the base), then `--rounds` rounds alternating the two servers, each round
-`--requests` greedy completions of `--tokens` tokens one after another from the same `openai` client.
+per-request `lora` scale 0 for the base, no prompt cache), then `--rounds` rounds alternating the two servers,
+each round `--requests` greedy completions of `--tokens` tokens one after another from the same `openai` client.
 Output tok/s counts the prefill's time too.
 """
 
@@ -174,11 +174,14 @@ def main() -> None:
         tops: dict[tuple[str, str], dict[str, float]] = {}
         for target in ("tokenloop", "llama.cpp"):
             with serve(target) as url:
-                lora_off = {} if target == "tokenloop" else {"lora": [{"id": 0, "scale": 0.0}]}
+                # llama.cpp: the adapter's scale named in each request, and no prompt cache (its cached prompt
+                # KV is reused across requests of different adapter scales).
+                lora_on, lora_off = ({}, {}) if target == "tokenloop" else (
+                    {"lora": [{"id": 0, "scale": scale}], "cache_prompt": False} for scale in (1.0, 0.0))
                 base_model = DEFAULT_MODEL if target == "tokenloop" else "ad"
-                texts[target, "adapter"] = complete(url, "ad", args.check_tokens)[0]
+                texts[target, "adapter"] = complete(url, "ad", args.check_tokens, **lora_on)[0]
                 texts[target, "base"] = complete(url, base_model, args.check_tokens, **lora_off)[0]
-                tops[target, "adapter"] = first_token_top(url, "ad")
+                tops[target, "adapter"] = first_token_top(url, "ad", **lora_on)
                 tops[target, "base"] = first_token_top(url, base_model, **lora_off)
         for kind in ("base", "adapter"):
             ours, theirs = texts["tokenloop", kind], texts["llama.cpp", kind]
