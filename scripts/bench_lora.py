@@ -30,15 +30,16 @@ from tokenloop.model.lora_slots import AdapterSlots
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def write_adapter(directory: Path, config, rank: int, seed: int) -> Path:
-    """A PEFT LoRA directory of random rank-`rank` matrices on all seven projections of every layer."""
+def write_adapter(directory: Path, config, rank: int, seed: int, scale: float = 0.01) -> Path:
+    """A PEFT LoRA directory of random rank-`rank` matrices (entries of std `scale`) on all seven projections
+    of every layer."""
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(config.num_layers):
         for module, (out_features, in_features) in projection_shapes(config).items():
             key = f"base_model.model.model.layers.{layer}.{_MODULE_PREFIX[module]}.{module}"
-            tensors[key + ".lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * 0.01
-            tensors[key + ".lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.01
+            tensors[key + ".lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * scale
+            tensors[key + ".lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * scale
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "adapter_model.safetensors"))
     (directory / "adapter_config.json").write_text(json.dumps(

@@ -89,6 +89,42 @@ def test_fused_cpu_path_equals_op_path(tiny_dir: Path, adapter_dirs: dict[str, P
     assert results[0] == results[1]
 
 
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+def test_decode_steps_with_adapters_run_in_the_one_call_loop(tiny_dir: Path, adapter_dirs: dict[str, Path],
+                                                              monkeypatch: pytest.MonkeyPatch, weight_dtype: str
+                                                              ) -> None:
+    """A pure decode step with adapter rows runs every layer in one C++ call (`decode_layers`, the products
+    added inside it) and gives the per-layer path's tokens and logprobs, bit for bit (rows of the base model in
+    the same step keep their own): fp32, and bf16 weights and adapters (bf16 projection outputs)."""
+    from tokenloop.model import fused_cpu
+
+    names = ["a", None, "b", "c", "a"]
+    prompts = _prompts(5, seed=19)
+    requests = [LoRARequest(n) if n else None for n in names]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    one_call = fused_cpu._decode_all_layers
+    adapted_calls = []
+
+    def counted(*args, **kwargs):
+        lora = args[6] if len(args) > 6 else kwargs.get("lora")
+        adapted_calls.append(lora is not None)
+        return one_call(*args, **kwargs)
+
+    monkeypatch.setattr(fused_cpu, "_decode_all_layers", counted)
+    results = []
+    for one_call_loop in (True, False):
+        llm = _llm(tiny_dir, adapter_dirs, max_loras=3, weight_dtype=weight_dtype)
+        if not llm.engine.model.fused_decode:
+            pytest.skip("the C++ decode loop is not built here")
+        assert llm.engine.core.adapters.slots.dtype == getattr(torch, weight_dtype)
+        llm.engine.model.fused_decode = one_call_loop
+        outputs = llm.generate(prompts, params, lora_request=requests, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
+    assert adapted_calls and all(adapted_calls)  # every decode step had adapter rows and ran in one call
+    assert len(adapted_calls) >= MAX_TOKENS - 1
+    assert results[0] == results[1]
+
+
 def _permute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's converter's Q/K row interleaving (the inverse of what the loader undoes)."""
     rows = weight.shape[0]

@@ -35,6 +35,8 @@ from tokenloop.cluster.handoff_flow import HandoffFlow, HandoffStats
 from tokenloop.cluster.load import LoadTracker
 from tokenloop.cluster.members import OwnedRequest, Replica
 from tokenloop.cluster.router import Dispatcher, Router, RouteRequest
+from tokenloop.cluster.runtime_adapters import MERGE as LORA_MERGE
+from tokenloop.cluster.runtime_adapters import RuntimeAdapters
 from tokenloop.core.messages import (
     AddRequests,
     CallResult,
@@ -78,6 +80,7 @@ def _merge_kv_facts(values: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 _MERGE["kv_facts"] = _merge_kv_facts
+_MERGE.update(LORA_MERGE)
 
 
 @dataclass
@@ -86,6 +89,7 @@ class _Gather:
 
     call_id: int
     name: str
+    args: list[Any]
     waiting: set[int]
     values: dict[int, Any] = field(default_factory=dict)
     error: CoreError | None = None
@@ -138,6 +142,7 @@ class ReplicaSet:
         self.handoffs = HandoffFlow(self, lease_s=lease_s, precopy=precopy)
         # Set: requests queued behind a full replica move to one with a free slot (of this many).
         self.rebalance_max_num_seqs = rebalance_max_num_seqs
+        self.adapters = RuntimeAdapters()  # LoRA adapters loaded at run time: on every replica or none
         self._closed = False
         self.on_close: list[Callable[[], None]] = []  # run after every replica closed (stop Ray we started)
         for replica in self.replicas:
@@ -339,7 +344,7 @@ class ReplicaSet:
                 "EngineStoppedError", "no engine replica is alive")))
             return
         self._next_internal_id -= 1
-        gather = _Gather(message.call_id, message.name, {r.index for r in live})
+        gather = _Gather(message.call_id, message.name, list(message.args), {r.index for r in live})
         self._gathers[self._next_internal_id] = gather
         for replica in live:
             out.setdefault(replica.index, []).append(
@@ -424,6 +429,9 @@ class ReplicaSet:
 
     def _complete_gather(self, internal_id: int) -> None:
         gather = self._gathers.pop(internal_id)
+        for index, name, args in self.adapters.answered(gather.name, gather.args, sorted(gather.values),
+                                                        gather.error is not None):
+            self.call(index, name, args, self._log_failed_call)
         if gather.error is not None:
             self._results.append(CallResult(gather.call_id, None, gather.error))
             return
@@ -559,8 +567,16 @@ class ReplicaSet:
                 continue
             replica.client, replica.alive, replica.death = client, True, None
             replica.restarts += 1
+            for _, name, args in self.adapters.replays(index):  # before the router sees it alive
+                self.call(index, name, args, self._log_failed_call)
             self.tracker.set_alive(index, True)
             logger.warning("replica %d restarted (restart #%d)", index, replica.restarts)
+
+    @staticmethod
+    def _log_failed_call(result: CallResult) -> None:
+        """The answer to a call the set made on its own (nobody waits for it): logged if it failed."""
+        if result.error is not None:
+            logger.error("a replica refused a call the replica set made: %s", result.error)
 
     # ---- status --------------------------------------------------------------------------------------
 

@@ -67,6 +67,9 @@ class DecodePlan:
 
 _NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales
 _NO_NORM = torch.empty(0)  # marks a place without a norm for the kernels
+# `decode_layers`' adapter arguments for a step without adapter rows (A, B^T, token slots, widths, parts).
+_NO_ADAPTERS: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[int], list[list[int]]] = (
+    [], [], torch.empty(0, dtype=torch.long), [], [])
 
 
 def _no_adapter(out: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -171,8 +174,8 @@ def forward_fused(
 ) -> torch.Tensor:
     """`model.forward` on the CPU with the fused kernels: the same layer, with each residual add folded into
     the next RMSNorm, the norms written in the next GEMM's input dtype, and QK-norm + rotary + KV write in one.
-    `attn`: the step's layout, or one per KV group. A step with adapter rows (`lora`) runs the per-layer path,
-    the adapters' products added after each projection."""
+    `attn`: the step's layout, or one per KV group. A step with adapter rows (`lora`) adds the adapters'
+    products after each projection, in `decode_layers` too where their native kernel runs."""
     cfg, ops = model.config, model.fused_ops
     assert ops is not None
     layouts = attn if isinstance(attn, list) else [attn]
@@ -181,10 +184,11 @@ def forward_fused(
     positions = positions.contiguous()
     hidden = model.embed_tokens(input_ids).contiguous()  # the fp32 residual stream, updated in place
     places, eps = model.attention_places(), cfg.rms_norm_eps
-    if lora is None and model.fused_decode and all(_pure_decode(layout, num_tokens) for layout in layouts):
+    if (lora is None or lora.native) and model.fused_decode and \
+            all(_pure_decode(layout, num_tokens) for layout in layouts):
         plan = model.decode_plan(num_tokens)
         if plan is not None:  # a pure decode step: the same sequence of kernels, with no Python between layers
-            final = _decode_all_layers(model, plan, hidden, positions, layouts, kv_caches)
+            final = _decode_all_layers(model, plan, hidden, positions, layouts, kv_caches, lora)
             if logits_indices is not None:
                 final = final.index_select(0, logits_indices)
             return model.lm_head(final)
@@ -223,9 +227,10 @@ def forward_fused(
 
 
 def _decode_all_layers(model: FusedModel, plan: DecodePlan, hidden: torch.Tensor, positions: torch.Tensor,
-                       layouts: list[AttentionMetadata], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-                       ) -> torch.Tensor:
-    """Every layer of a pure decode step in one C++ call (`decode_layers`): the final norm's output [T, hidden]."""
+                       layouts: list[AttentionMetadata], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                       lora: LoRABatch | None = None) -> torch.Tensor:
+    """Every layer of a pure decode step in one C++ call (`decode_layers`), with the step's adapter products
+    (`lora`, natively) added after each projection: the final norm's output [T, hidden]."""
     cfg, ops, places = model.config, model.fused_ops, model.attention_places()
     assert ops is not None
     final = torch.empty(hidden.shape[0], cfg.hidden_size)
@@ -237,7 +242,8 @@ def _decode_all_layers(model: FusedModel, plan: DecodePlan, hidden: torch.Tensor
                       [layout.slot_mapping for layout in layouts], [d.block_table for d in decodes],
                       [layout.window for layout in layouts], decodes[0].seq_lens, cfg.num_heads,
                       cfg.num_kv_heads, cfg.head_dim, model.scale, cfg.rms_norm_eps,
-                      model.mlp_activation == "gelu_tanh", model.final_norm, final)
+                      model.mlp_activation == "gelu_tanh", model.final_norm, final,
+                      *(_NO_ADAPTERS if lora is None else lora.decode_arguments()))
     return final
 
 

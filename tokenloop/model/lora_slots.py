@@ -55,6 +55,9 @@ class AdapterSlots:
                 bt[kind] = torch.zeros(rows, sum(shapes[m][0] for m in modules), dtype=dtype, device=device)
             self.a.append(a)
             self.bt.append(bt)
+        # The same tensors flat, per layer per kind, as `decode_layers` takes them (slot loads write in place).
+        self.flat_a = [a[kind] for a in self.a for kind in FUSED_PROJECTIONS]
+        self.flat_bt = [bt[kind] for bt in self.bt for kind in FUSED_PROJECTIONS]
         self.registered: dict[str, LoRAAdapter] = {}
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapter -> its slot, oldest use first
         self.num_loads = 0
@@ -162,11 +165,24 @@ class LoRABatch:
             mask = self._masks[width] = self._onehot.repeat_interleave(width, dim=1)
         return mask
 
+    @property
+    def native(self) -> bool:
+        """Whether the native kernel runs this step's products (so `decode_layers` can add them in its loop)."""
+        return self.kernel is not None and self.slots.dtype in _KERNEL_DTYPES
+
+    def decode_arguments(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[int],
+                                        list[list[int]]]:
+        """The adapter arguments of `decode_layers` (csrc/decode_layers.cpp's `StepAdapters`): per projection
+        the stacked A and B^T, the token slots, per kind the width and the parts' column bounds."""
+        slots = self.slots
+        return (slots.flat_a, slots.flat_bt, self.token_slots, [slots.width[kind] for kind in FUSED_PROJECTIONS],
+                [slots.part_columns[kind] for kind in FUSED_PROJECTIONS])
+
     def add_(self, out: torch.Tensor, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
         """out [T, out] += each row's adapter's x @ A.T @ B.T for projection `kind` of `layer`; returns
         out."""
-        if self.kernel is not None and out.is_contiguous() and out.dtype in _KERNEL_DTYPES \
-                and x.dtype in _KERNEL_DTYPES:
+        if self.native and out.is_contiguous() and out.dtype in _KERNEL_DTYPES and x.dtype in _KERNEL_DTYPES:
+            assert self.kernel is not None
             self.kernel.lora_sgmv(out, x.contiguous(), self.slots.a[layer][kind], self.slots.bt[layer][kind],
                                   self.token_slots, self.slots.width[kind], self.slots.part_columns[kind])
             return out

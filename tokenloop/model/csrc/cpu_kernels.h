@@ -76,4 +76,7 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
                    const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& slots,
                    const std::vector<torch::Tensor>& block_tables, const std::vector<int64_t>& windows,
                    const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   double scale, double eps, bool gelu, const torch::Tensor& final_norm, torch::Tensor& final_out);
+                   double scale, double eps, bool gelu, const torch::Tensor& final_norm, torch::Tensor& final_out,
+                   const std::vector<torch::Tensor>& adapter_a, const std::vector<torch::Tensor>& adapter_bt,
+                   const torch::Tensor& adapter_slots, const std::vector<int64_t>& adapter_widths,
+                   const std::vector<std::vector<int64_t>>& adapter_parts);

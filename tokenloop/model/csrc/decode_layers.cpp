@@ -124,6 +124,31 @@ std::vector<Projection> read_projections(const std::vector<torch::Tensor>& matri
   return projections;
 }
 
+// ---- the step's LoRA products (model/lora_slots.py), added right after each projection ----
+// Per projection (as `matrices`' 4L projections) every slot's stacked A [S*width, in] and B^T [S*width, out];
+// per kind (qkv, o_proj, gate_up, down) its width and its parts' column bounds. Empty: no adapter row.
+struct StepAdapters {
+  const std::vector<torch::Tensor>& a;
+  const std::vector<torch::Tensor>& bt;
+  const torch::Tensor& token_slots;  // [T] int64, each row's slot or -1
+  const std::vector<int64_t>& widths;
+  const std::vector<std::vector<int64_t>>& parts;
+
+  void check(int64_t layers) const {
+    if (a.empty()) return;
+    TORCH_CHECK(static_cast<int64_t>(a.size()) == kProjectionsPerLayer * layers && bt.size() == a.size() &&
+                    static_cast<int64_t>(widths.size()) == kProjectionsPerLayer &&
+                    static_cast<int64_t>(parts.size()) == kProjectionsPerLayer,
+                "decode_layers: expected an adapter A and B^T per projection, a width and parts per kind");
+  }
+  // out += each adapted row's (x A^T) B^T for projection `projection` (csrc/lora_sgmv.cpp).
+  void add(torch::Tensor& out, const torch::Tensor& x, int64_t projection) const {
+    if (a.empty()) return;
+    const int64_t kind = projection % kProjectionsPerLayer;
+    lora_sgmv(out, x, a[projection], bt[projection], token_slots, widths[kind], parts[kind]);
+  }
+};
+
 }  // namespace
 
 // hidden [T, H] float32: the residual stream after the embedding, updated in place; final_out [T, H] float32
@@ -136,7 +161,8 @@ std::vector<Projection> read_projections(const std::vector<torch::Tensor>& matri
 // count, then each part's form (`Form`) and output width. kv_caches: per layer K then V (2L).
 // layer_groups [L]: each layer's KV group, which picks from the per-group lists: cos, sin [P, D/2] (the group's
 // rotary table), slots [T] and block_tables [T, max_blocks] int64, windows (0: full attention). positions,
-// seq_lens [T] int64. gelu: the MLP gate is tanh-GELU (GeGLU), else SiLU.
+// seq_lens [T] int64. gelu: the MLP gate is tanh-GELU (GeGLU), else SiLU. adapter_*: the step's LoRA products
+// (`StepAdapters`; empty lists for a step without adapter rows).
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,
                    const std::vector<int64_t>& layout,
@@ -145,12 +171,17 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
                    const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& slots,
                    const std::vector<torch::Tensor>& block_tables, const std::vector<int64_t>& windows,
                    const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                   double scale, double eps, bool gelu, const torch::Tensor& final_norm, torch::Tensor& final_out) {
+                   double scale, double eps, bool gelu, const torch::Tensor& final_norm, torch::Tensor& final_out,
+                   const std::vector<torch::Tensor>& adapter_a, const std::vector<torch::Tensor>& adapter_bt,
+                   const torch::Tensor& adapter_slots, const std::vector<int64_t>& adapter_widths,
+                   const std::vector<std::vector<int64_t>>& adapter_parts) {
   const int64_t layers = static_cast<int64_t>(layer_groups.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == kNormsPerLayer * layers &&
                   static_cast<int64_t>(kv_caches.size()) == 2 * layers,
               "decode_layers: expected 6 norms and a K/V pair per layer");
   const std::vector<Projection> projections = read_projections(matrices, scales, layout, kProjectionsPerLayer * layers);
+  const StepAdapters adapters{adapter_a, adapter_bt, adapter_slots, adapter_widths, adapter_parts};
+  adapters.check(layers);
   const size_t groups = windows.size();
   TORCH_CHECK(cos.size() == groups && sin.size() == groups && slots.size() == groups &&
                   block_tables.size() == groups,
@@ -185,17 +216,22 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
     torch::Tensor normed = torch::empty({tokens, hidden_size}, f32.dtype(qkv.input_dtype()));
     add_rms_norm(hidden, delta, *delta_norm, norm[0], eps, normed);
     torch::Tensor qkv_out = qkv(normed).contiguous();
+    adapters.add(qkv_out, normed, w);
     rope_write_kv(qkv_out, positions, cos[g], sin[g], slots[g], norm[4], norm[5], eps, key_cache, value_cache, q, k,
                   v);
     paged_decode_attention(q, key_cache, value_cache, block_tables[g], seq_lens, scale, attended, windows[g]);
-    torch::Tensor o_out = o_proj(attended.view({tokens, num_heads * head_dim}).to(o_proj.input_dtype())).contiguous();
+    const torch::Tensor attended_rows = attended.view({tokens, num_heads * head_dim});
+    torch::Tensor o_out = o_proj(attended_rows.to(o_proj.input_dtype())).contiguous();
+    adapters.add(o_out, attended_rows, w + 1);  // float32 rows, as the per-layer path gives its adapter
     normed = torch::empty({tokens, hidden_size}, f32.dtype(gate_up.input_dtype()));
     add_rms_norm(hidden, o_out, norm[1], norm[2], eps, normed);
     torch::Tensor gate_up_out = gate_up(normed).contiguous();
+    adapters.add(gate_up_out, normed, w + 2);
     torch::Tensor activated = torch::empty({tokens, gate_up_out.size(1) / 2}, f32.dtype(down.input_dtype()));
     if (gelu) gelu_tanh_mul(gate_up_out, activated);
     else silu_mul(gate_up_out, activated);
     delta = down(activated).contiguous();
+    adapters.add(delta, activated, w + 3);
     delta_norm = &norm[3];
   }
   add_rms_norm(hidden, delta, *delta_norm, final_norm, eps, final_out);
