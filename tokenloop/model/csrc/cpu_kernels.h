@@ -50,6 +50,10 @@ void q8_0_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const t
 void kquant_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                        torch::Tensor& out, int64_t kind);
 bool int8_dot_native();
+// int8_gemm.cpp
+void int8_gemm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, torch::Tensor& out,
+               int64_t kind, int64_t passes);
+bool int8_gemm_native();
 // fused_layer_ops.cpp
 void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& delta_weight,
                   const torch::Tensor& weight, double eps, torch::Tensor& out);
