@@ -16,6 +16,7 @@ from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.int8_dot import Int4DotWeight, Q8DotWeight, quantize_activations
 from tokenloop.model.int8_gemm import GemmPack, gemm_available, gemm_matmul, reference
 from tokenloop.model.kquant_dot import KQuantDotWeight
+from tokenloop.model.layers.linear import LMHead
 from tokenloop.model.quantized import PackedLinear, RowStack
 
 needs_gemm = pytest.mark.skipif(not gemm_available(), reason="the int8 GEMM runs on AVX512-VNNI builds only")
@@ -118,3 +119,15 @@ def test_kernel_refuses_mismatched_operands() -> None:
         kernel.int8_gemm(torch.ones(3, 224), pack.codes, pack.scales, out, 6, 1)
     with pytest.raises(RuntimeError, match="does not match"):
         kernel.int8_gemm(x, pack.codes, pack.scales, torch.empty(3, 40), 6, 1)
+
+
+@needs_gemm
+def test_the_lm_head_keeps_two_code_sets() -> None:
+    """Logits at the decode kernels' precision at every row count; the head shares the pack (a tied embedding's)."""
+    q8, dense, _ = make_pack("q8_0", 50, 20, seed=7)
+    linear = PackedLinear(q8, None, 1 << 62)
+    head = LMHead(linear)
+    hidden = activations(int8_gemm.GEMM_MIN_ROWS + 16, dense.shape[1], seed=8)
+    assert isinstance(head.weight, PackedLinear) and head.weight.packed is q8
+    assert torch.equal(head(hidden), q8.matmul(hidden))
+    assert not torch.equal(linear(hidden), q8.matmul(hidden))  # a projection's single code set differs
