@@ -22,7 +22,8 @@ from tokenloop.model.int8_dot import GROUP_SIZE, Int4DotWeight, Q8DotWeight, qua
 from tokenloop.model.kquant_dot import KQuantDotWeight
 
 GemmPack = Int4DotWeight | Q8DotWeight | KQuantDotWeight
-# Fewest rows a call sends to the GEMM (measured: BENCHMARKS.md, issue 30); fewer go to the decode kernels.
+# Fewest rows a call sends to the GEMM; fewer go to the decode kernels. Not a speed crossover (one code set is
+# ~1.4-1.9x faster from 2 rows up, BENCHMARKS.md): decode-sized calls keep the decode steps' two code sets.
 GEMM_MIN_ROWS = 16
 PROJECTION_PASSES = 1  # the layers' projections: one activation code set, as llama.cpp
 # The logits keep two: on Gemma 3 270M's greedy continuations one set's top-1 agreed with the exact product's on
