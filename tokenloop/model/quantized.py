@@ -53,6 +53,7 @@ from tokenloop.model.int8_dot import (
     check_q8_codes,
     int8_dot_available,
 )
+from tokenloop.model.int8_gemm import PROJECTION_PASSES, many_row_product
 from tokenloop.model.kquant_dot import KQUANT_DOT_TYPES, KQuantDotWeight
 
 
@@ -269,6 +270,7 @@ class PackedLinear:
     packed: Pack | RowStack
     dense: torch.Tensor | None
     packed_max_rows: int
+    gemm_passes: int = PROJECTION_PASSES  # activation code sets of a many-row call's GEMM (model/int8_gemm.py)
 
     @property
     def form(self) -> str:
@@ -295,7 +297,9 @@ class PackedLinear:
         weights, fp32 for Q8_0, the int8-dot packs and fp32 weights), for consumers that read either without a
         cast."""
         if self.dense is None or x.shape[0] <= self.packed_max_rows:
-            return self.packed.matmul(x)
+            parts = self.packed.parts if isinstance(self.packed, RowStack) else [self.packed]
+            out = many_row_product(parts, x, self.gemm_passes)
+            return self.packed.matmul(x) if out is None else out
         return dense_linear(x, self.dense)
 
 

@@ -53,6 +53,10 @@ void int8_dot_stack(const torch::Tensor& x, const std::vector<torch::Tensor>& co
                     const std::vector<torch::Tensor>& scales, const std::vector<int64_t>& forms,
                     const std::vector<int64_t>& widths, torch::Tensor& out);
 bool int8_dot_native();
+// int8_gemm.cpp
+void int8_gemm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, torch::Tensor& out,
+               int64_t kind, int64_t passes);
+bool int8_gemm_native();
 // fused_layer_ops.cpp
 void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& delta_weight,
                   const torch::Tensor& weight, double eps, torch::Tensor& out);

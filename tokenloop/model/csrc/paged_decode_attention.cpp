@@ -298,6 +298,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_0_dot_matmul", &q8_0_dot_matmul, "x @ W.T for Q8_0 codes, int8 dot products, float32 in and out");
   m.def("kquant_dot_matmul", &kquant_dot_matmul, "x @ W.T for Q5_K / Q6_K codes, int8 dot products");
   m.def("int8_dot_stack", &int8_dot_stack, "x @ W.T for a row stack of int8-dot packs, side by side in one out");
+  m.def("int8_gemm", &int8_gemm, "x @ W.T for many rows of an int8-dot pack (kind 4-8), 1 or 2 code sets",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("out"), py::arg("kind"), py::arg("passes"));
+  m.def("int8_gemm_native", &int8_gemm_native, "whether int8_gemm runs here (AVX512-VNNI)");
   m.def("int8_dot_native", &int8_dot_native, "whether the int8 dot kernels run AVX512-VNNI or AVX2 (else plain loops)");
   m.def("compiled_isa", &compiled_isa, "the instruction sets this build targets, space-separated");
   m.def("add_rms_norm", &add_rms_norm, "residual += delta (or RMSNorm(delta)); out = RMSNorm(residual)");

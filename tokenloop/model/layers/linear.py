@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
 
+from tokenloop.model.int8_gemm import LOGITS_PASSES
 from tokenloop.model.quantized import PackedLinear, dense_linear, prepack_dense
 
 Weight: TypeAlias = torch.Tensor | PackedLinear  # a projection matrix in whichever form it runs
@@ -44,6 +46,8 @@ class LMHead:
     49k-row head is the single largest GEMM of a decode step."""
 
     def __init__(self, weight: Weight) -> None:
+        if isinstance(weight, PackedLinear):  # the same packed matrices, many-row calls at the logits' precision
+            weight = replace(weight, gemm_passes=LOGITS_PASSES)
         self.weight = weight
         self._packed: torch.Tensor | None = None
         if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:

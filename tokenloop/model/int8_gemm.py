@@ -1,0 +1,94 @@
+"""Many-row products of the int8-dot packs (csrc/int8_gemm.cpp): a prefill chunk's projections, a batched LM head.
+
+The decode kernels (csrc/int8_dot_matmul.cpp) quantize the activations to two int8 code sets per block of 32
+(x ~= dx q + dx / 254 r, ~15 bits) and walk every row per 16-column tile: right for a few rows, where the
+weights' bytes decide. With many rows the integer multiplies decide, and one code set (x ~= dx q, as llama.cpp
+quantizes its activations to Q8) halves them: the GEMM runs at ~1.8-1.9x the decode kernels' FLOP rate per
+core (BENCHMARKS.md, issue 30). `project()` (model/quantized.py) sends calls of at least `GEMM_MIN_ROWS` rows
+here with the pack's `gemm_passes`: 1 for the layers' projections, 2 (the decode kernels' own sums, the same
+values) where a caller keeps the extra precision.
+
+Every product has a PyTorch twin (`reference`): the same quantized activations, the pack's exact weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.int8_dot import GROUP_SIZE, Int4DotWeight, Q8DotWeight, quantize_activations
+from tokenloop.model.kquant_dot import KQuantDotWeight
+
+GemmPack = Int4DotWeight | Q8DotWeight | KQuantDotWeight
+# Fewest rows a call sends to the GEMM; fewer go to the decode kernels. Not a speed crossover (one code set is
+# ~1.4-1.9x faster from 2 rows up, BENCHMARKS.md): decode-sized calls keep the decode steps' two code sets.
+GEMM_MIN_ROWS = 16
+PROJECTION_PASSES = 1  # the layers' projections: one activation code set, as llama.cpp
+# The logits keep two: on Gemma 3 270M's greedy continuations one set's top-1 agreed with the exact product's on
+# 99.5% of rows (94.4% on random-token rows), two on 100% (BENCHMARKS.md, issue 29).
+LOGITS_PASSES = 2
+
+
+def gemm_kind(pack: object) -> int | None:
+    """The kernel's format number for a pack (4: Q4, 8: Q8_0, 5 / 6 / 7: Q5_K / Q6_K / Q4_K), None for other packs."""
+    if isinstance(pack, Int4DotWeight):
+        return 4
+    if isinstance(pack, Q8DotWeight):
+        return 8
+    if isinstance(pack, KQuantDotWeight):
+        return pack.kind
+    return None
+
+
+def gemm_available() -> bool:
+    """Whether the compiled GEMM runs here (AVX512-VNNI builds only)."""
+    kernel = paged_decode_kernels()
+    return kernel is not None and hasattr(kernel, "int8_gemm_native") and bool(kernel.int8_gemm_native())
+
+
+def gemm_matmul(pack: GemmPack, x: torch.Tensor, passes: int) -> torch.Tensor:
+    """x [M, K] -> x @ W.T [M, N] float32 with `passes` activation code sets (1 or 2); the PyTorch twin where
+    the kernel does not run."""
+    kind = gemm_kind(pack)
+    if kind is None:
+        raise TypeError(f"int8 GEMM: no kernel for {type(pack).__name__}")
+    if x.dim() != 2 or x.shape[1] != pack.in_features:
+        raise ValueError(f"{pack.form} GEMM: x [M, {pack.in_features}] expected, got {tuple(x.shape)}")
+    x = x.float().contiguous()
+    if not gemm_available():
+        return reference(pack, x, passes)
+    out = torch.empty(x.shape[0], pack.out_features, dtype=torch.float32)
+    paged_decode_kernels().int8_gemm(x, pack.codes, pack.scales, out, kind, passes)  # type: ignore[union-attr]
+    return out
+
+
+def many_row_product(parts: Sequence[object], x: torch.Tensor, passes: int) -> torch.Tensor | None:
+    """x @ W.T through the GEMM for a projection's packs (a `RowStack`'s parts side by side), or None where the
+    call has fewer than `GEMM_MIN_ROWS` rows, the kernel does not run here or a part has no GEMM."""
+    if x.shape[0] < GEMM_MIN_ROWS or not all(gemm_kind(part) is not None for part in parts) or not gemm_available():
+        return None
+    outs = [gemm_matmul(part, x, passes) for part in parts]  # type: ignore[arg-type]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def reference(pack: GemmPack, x: torch.Tensor, passes: int) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch: x's codes (the first `passes` sets) times the pack's exact weights;
+    Q4's m and Q5_K's dmin mn terms multiply the blocks' float sums of x, as in the kernels."""
+    blocks = pack.codes.shape[1]
+    quantized = quantize_activations(x.float(), blocks)
+    coded = sum((codes * scale[..., None] for codes, scale in quantized.terms()[:passes]), torch.zeros(()))
+    coded = coded.reshape(x.shape[0], blocks * GROUP_SIZE)
+    if isinstance(pack, Int4DotWeight):
+        codes, d, m = pack.unpack()
+        n = pack.out_features
+        weights = codes[:n].view(n, blocks, GROUP_SIZE).float() * d[:n, :, None]
+        return coded @ weights.view(n, -1).t() + quantized.sums @ m[:n].t()
+    if isinstance(pack, KQuantDotWeight) and pack.kind in (5, 7):  # Q5_K, Q4_K: d sc q - dmin mn
+        codes, sub, supers = pack.unpack(torch.arange(pack.out_features))
+        scale, minimum = pack.block_scales(sub, supers)
+        weights = codes.view(len(codes), blocks, GROUP_SIZE).float() * scale
+        assert minimum is not None
+        return coded @ weights.view(len(codes), -1).t() - quantized.sums @ minimum.t()
+    return coded @ pack.dequantize().t()
