@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import write_tiny_llama
 from tests.model.test_loader import write_tiny_gguf
+from tokenloop.core.heartbeat import Progress
 from tokenloop.model import quantized
 from tokenloop.model.attention import AttentionMetadata, write_kv
 from tokenloop.model.cpu_kernels import paged_decode_kernels
@@ -283,3 +284,17 @@ def test_decode_plan_leaves_forms_the_loop_cannot_run_to_python(tiny_checkpoint)
     assert decode_projection(model.layers[1].down.half(), 1) is None
     layers = [*model.layers[:1], dataclasses.replace(model.layers[1], down=model.layers[1].down.half())]
     assert plan_decode(layers, 1) is None
+
+
+def test_the_cpp_layer_loop_ticks_progress_per_layer_as_the_python_one(tiny_checkpoint) -> None:
+    """The engine core's heartbeat counts layers during a step: the one-call loop (which releases the GIL) ticks
+    the counter's `layer_ticks` once per layer, the Python loop its `tick`, so both steps count the same."""
+    model = LlamaModel.from_weights(tiny_checkpoint.config, tiny_checkpoint.weights, weight_dtype=torch.float32)
+    assert model.fused_decode and model.decode_plan(2) is not None
+    progress = Progress(layer_ticks=torch.zeros(1, dtype=torch.int64))
+    model.progress = progress
+    _decode_twice(model, 2)  # one C++ step and one Python step, after the prefills (Python, a tick a layer)
+    layers = model.config.num_layers
+    assert int(progress.layer_ticks[0]) == layers  # the C++ step
+    assert progress.count == progress.turns + layers
+    assert progress.turns % layers == 0 and progress.turns >= 3 * layers  # 2 prefills + the Python step

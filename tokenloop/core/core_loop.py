@@ -37,6 +37,8 @@ from tokenloop.observe.records import ArrivalRecord, ReleaseInfo, StepRecord
 from tokenloop.request import FinishReason
 
 if TYPE_CHECKING:  # the front end imports this module (RecordBuffer) without the engine
+    import torch
+
     from tokenloop.core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,10 @@ class _SlowLayers:
 
     def __init__(self, progress: Progress, delay_s: float) -> None:
         self.progress, self.delay_s = progress, delay_s
+
+    @property
+    def layer_ticks(self) -> torch.Tensor | None:
+        return self.progress.layer_ticks
 
     def tick(self) -> None:
         time.sleep(self.delay_s)

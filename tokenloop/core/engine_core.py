@@ -124,7 +124,7 @@ class EngineCore:
         # would; a test holds a request in flight with it instead of betting on the machine's speed.
         self.injected_step_delay_s = 0.0
         # Liveness: the core's loop ticks it per turn and the model per layer; a heartbeat reports it.
-        self.progress = Progress()
+        self.progress = Progress(layer_ticks=torch.zeros(1, dtype=torch.int64))
         if self.model is not None:
             self.model.progress = self.progress
 

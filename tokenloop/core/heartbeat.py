@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from tokenloop.errors import ConfigError
 
 if TYPE_CHECKING:  # `tokenloop serve` reads the defaults here before it starts the core: nothing heavy yet
+    import torch
     import zmq
 
     from tokenloop.core.messages import CoreHeartbeat
@@ -52,16 +53,24 @@ def check_hang_timeout(hang_timeout_s: float) -> float:
 class Progress:
     """A counter the core's main thread advances as it works (per loop turn, per model layer).
 
-    One int under the GIL: the heartbeat thread reads it, only the main thread writes it.
+    One int under the GIL: the heartbeat thread reads it, only the main thread writes it. A native call that
+    runs every layer of a step (csrc/decode_layers.cpp) releases the GIL and ticks `layer_ticks`, a one-element
+    int64 tensor, after each layer instead: the count includes it, so a step slowed by a crowded machine still
+    shows progress layer by layer, as the Python forward's steps do.
     """
 
-    __slots__ = ("count",)
+    __slots__ = ("turns", "layer_ticks")
 
-    def __init__(self) -> None:
-        self.count = 0
+    def __init__(self, layer_ticks: torch.Tensor | None = None) -> None:
+        self.turns = 0
+        self.layer_ticks = layer_ticks
+
+    @property
+    def count(self) -> int:
+        return self.turns + (0 if self.layer_ticks is None else int(self.layer_ticks[0]))
 
     def tick(self) -> None:
-        self.count += 1
+        self.turns += 1
 
 
 class HeartbeatThread:

@@ -131,6 +131,9 @@ def plan_decode(layers: list[LayerWeights], rows: int) -> DecodePlan | None:
 
 
 class _Ticker(Protocol):
+    @property
+    def layer_ticks(self) -> torch.Tensor | None: ...
+
     def tick(self) -> None: ...
 
 
@@ -236,6 +239,7 @@ def _decode_all_layers(model: FusedModel, plan: DecodePlan, hidden: torch.Tensor
     final = torch.empty(hidden.shape[0], cfg.hidden_size)
     decodes = [layout.decode for layout in layouts if layout.decode is not None]
     rotaries = [model.group_rotary(group) for group in range(len(layouts))]
+    ticks = model.progress.layer_ticks
     ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales, plan.layout,
                       [cache for _, pair in places for cache in kv_caches[pair]], [g for g, _ in places],
                       positions, [r.cos for r in rotaries], [r.sin for r in rotaries],
@@ -243,7 +247,8 @@ def _decode_all_layers(model: FusedModel, plan: DecodePlan, hidden: torch.Tensor
                       [layout.window for layout in layouts], decodes[0].seq_lens, cfg.num_heads,
                       cfg.num_kv_heads, cfg.head_dim, model.scale, cfg.rms_norm_eps,
                       model.mlp_activation == "gelu_tanh", model.final_norm, final,
-                      *(_NO_ADAPTERS if lora is None else lora.decode_arguments()))
+                      *(_NO_ADAPTERS if lora is None else lora.decode_arguments()),
+                      torch.zeros(1, dtype=torch.long) if ticks is None else ticks)  # None: no core counts
     return final
 
 

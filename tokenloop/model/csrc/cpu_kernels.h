@@ -83,4 +83,4 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
                    double scale, double eps, bool gelu, const torch::Tensor& final_norm, torch::Tensor& final_out,
                    const std::vector<torch::Tensor>& adapter_a, const std::vector<torch::Tensor>& adapter_bt,
                    const torch::Tensor& adapter_slots, const std::vector<int64_t>& adapter_widths,
-                   const std::vector<std::vector<int64_t>>& adapter_parts);
+                   const std::vector<std::vector<int64_t>>& adapter_parts, torch::Tensor& layer_ticks);

@@ -162,7 +162,8 @@ struct StepAdapters {
 // layer_groups [L]: each layer's KV group, which picks from the per-group lists: cos, sin [P, D/2] (the group's
 // rotary table), slots [T] and block_tables [T, max_blocks] int64, windows (0: full attention). positions,
 // seq_lens [T] int64. gelu: the MLP gate is tanh-GELU (GeGLU), else SiLU. adapter_*: the step's LoRA products
-// (`StepAdapters`; empty lists for a step without adapter rows).
+// (`StepAdapters`; empty lists for a step without adapter rows). layer_ticks: one int64, advanced after each
+// layer: the engine core's heartbeat reads it while this call (which releases the GIL) runs (core/heartbeat.py).
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,
                    const std::vector<int64_t>& layout,
@@ -174,11 +175,14 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
                    double scale, double eps, bool gelu, const torch::Tensor& final_norm, torch::Tensor& final_out,
                    const std::vector<torch::Tensor>& adapter_a, const std::vector<torch::Tensor>& adapter_bt,
                    const torch::Tensor& adapter_slots, const std::vector<int64_t>& adapter_widths,
-                   const std::vector<std::vector<int64_t>>& adapter_parts) {
+                   const std::vector<std::vector<int64_t>>& adapter_parts, torch::Tensor& layer_ticks) {
   const int64_t layers = static_cast<int64_t>(layer_groups.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == kNormsPerLayer * layers &&
                   static_cast<int64_t>(kv_caches.size()) == 2 * layers,
               "decode_layers: expected 6 norms and a K/V pair per layer");
+  TORCH_CHECK(layer_ticks.scalar_type() == torch::kInt64 && layer_ticks.numel() == 1,
+              "decode_layers: layer_ticks must be one int64");
+  int64_t* ticks = layer_ticks.data_ptr<int64_t>();
   const std::vector<Projection> projections = read_projections(matrices, scales, layout, kProjectionsPerLayer * layers);
   const StepAdapters adapters{adapter_a, adapter_bt, adapter_slots, adapter_widths, adapter_parts};
   adapters.check(layers);
@@ -233,6 +237,7 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
     delta = down(activated).contiguous();
     adapters.add(delta, activated, w + 3);
     delta_norm = &norm[3];
+    __atomic_fetch_add(ticks, 1, __ATOMIC_RELAXED);  // read by the heartbeat thread
   }
   add_rms_norm(hidden, delta, *delta_norm, final_norm, eps, final_out);
 }

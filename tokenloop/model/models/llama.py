@@ -33,7 +33,11 @@ from tokenloop.model.weights import WeightSource
 
 
 class LayerTicker(Protocol):
-    """What the model ticks after each layer: the engine core's progress counter (tokenloop.core.heartbeat)."""
+    """What the model ticks after each layer: the engine core's progress counter (tokenloop.core.heartbeat);
+    the one-call decode loop ticks its `layer_ticks` tensor instead (None: nothing counts)."""
+
+    @property
+    def layer_ticks(self) -> torch.Tensor | None: ...
 
     def tick(self) -> None: ...
 
@@ -42,6 +46,7 @@ class _Uncounted:
     """A model's ticker until an engine core hands it its own: the ticks go nowhere."""
 
     __slots__ = ()
+    layer_ticks = None
 
     def tick(self) -> None:
         pass
