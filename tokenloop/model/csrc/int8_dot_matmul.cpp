@@ -690,6 +690,8 @@ void run(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor
 
 }  // namespace
 
+#include "int8_dot_tiles.inc"  // the same kernels in pieces, for moe_experts.cpp
+
 // x [M, K] float32; codes [ceil(N/16), ceil(K/32), 256] uint8; scales [ceil(N/16), ceil(K/32), 2, 16] float16
 // (d, m); out [M, N] float32. All contiguous.
 void int4_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
