@@ -4,6 +4,9 @@ expert counts, top k, renormalization and the experts' pack forms (Q4_K, Q8_0, Q
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -24,13 +27,29 @@ from tokenloop.model.layers.moe import (
     native_moe_block,
     route,
 )
-from tokenloop.model.quantized import PackThresholds, pack_linear
+from tokenloop.model.quantized import PackedLinear, PackThresholds, pack_linear
 
 HIDDEN, WIDTH = 256, 256  # the K-quants' super-block is 256 values
 _PACKED = PackThresholds(keep_dense=False)
 kernels = paged_decode_kernels()
 pytestmark = pytest.mark.skipif(kernels is None or not hasattr(kernels, "moe_experts") or not int8_dot_available(),
                                 reason="the native MoE kernel is not built here")
+
+
+_POOL = 4  # distinct packs per form and shape: packing K-quants costs ~0.1 s each, so examples share them
+
+
+@functools.cache
+def _pooled_pack(kind: QType, rows: int, cols: int, index: int) -> PackedLinear:
+    packed = pack_linear(_expert_matrix(kind, rows, cols, 1000 * index + rows), _PACKED)
+    assert isinstance(packed, PackedLinear)
+    return packed
+
+
+def _expert(kind: QType, rows: int, cols: int, index: int) -> PackedLinear:
+    """A pack of the pool, in a PackedLinear of its own (MoEWeights re-points its pack at a stack)."""
+    pooled = _pooled_pack(kind, rows, cols, index % _POOL)
+    return PackedLinear(dataclasses.replace(pooled.packed), None, pooled.packed_max_rows)
 
 
 def _expert_matrix(kind: QType, rows: int, cols: int, seed: int) -> GGMLTensor:
@@ -43,10 +62,8 @@ def _expert_matrix(kind: QType, rows: int, cols: int, seed: int) -> GGMLTensor:
 def _random_moe(num_experts: int, top_k: int, normalize: bool, gate_up: QType, down: QType, seed: int) -> MoEWeights:
     router = torch.randn(num_experts, HIDDEN, generator=torch.Generator().manual_seed(seed)) * HIDDEN ** -0.5
     return MoEWeights(router=router,
-                      gate_up=[pack_linear(_expert_matrix(gate_up, 2 * WIDTH, HIDDEN, seed + 2 * e), _PACKED)
-                               for e in range(num_experts)],
-                      down=[pack_linear(_expert_matrix(down, HIDDEN, WIDTH, seed + 2 * e + 1), _PACKED)
-                            for e in range(num_experts)],
+                      gate_up=[_expert(gate_up, 2 * WIDTH, HIDDEN, seed + e) for e in range(num_experts)],
+                      down=[_expert(down, HIDDEN, WIDTH, seed + 2 * e + 1) for e in range(num_experts)],
                       top_k=top_k, normalize=normalize)
 
 
@@ -95,8 +112,8 @@ def test_dense_or_mixed_experts_keep_the_op_path() -> None:
                        down=weights.down, top_k=2, normalize=True)
     assert dense.native is None
     mixed = MoEWeights(router=weights.router, gate_up=weights.gate_up,
-                       down=[pack_linear(_expert_matrix(QType.Q6_K if e else QType.Q4_K, HIDDEN, WIDTH, e), _PACKED)
-                             for e in range(3)], top_k=2, normalize=True)
+                       down=[_expert(QType.Q6_K if e else QType.Q4_K, HIDDEN, WIDTH, e) for e in range(3)],
+                       top_k=2, normalize=True)
     assert mixed.native is None
     x = torch.randn(2, HIDDEN)
     torch.testing.assert_close(moe_block(x, mixed), grouped_moe_block(x, mixed))

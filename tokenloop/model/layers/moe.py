@@ -36,7 +36,7 @@ class StackedExperts:
 
     @classmethod
     def of(cls, projections: list[Weight]) -> StackedExperts | None:
-        """The experts' packs stacked, each pack re-pointed at its slice; None unless `stackable`."""
+        """The experts' packs stacked, each pack re-pointed at its slice; None unless `_native_parts` finds them."""
         parts = _native_parts(projections)
         if parts is None:
             return None
