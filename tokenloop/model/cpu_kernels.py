@@ -34,9 +34,10 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_attention.cpp", "q8_0_matmul.cpp", "int8_dot_matmul.cpp",
                           "fused_layer_ops.cpp", "decode_layers.cpp", "weight_unpack.cpp",
-                          "lora_sgmv.cpp", "int8_gemm.cpp")]
+                          "lora_sgmv.cpp", "int8_gemm.cpp", "moe_experts.cpp")]
 # Hashed with the sources: a change rebuilds.
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.h", "kquant_dot_blocks.inc")]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.h", "kquant_dot_blocks.inc",
+                                                                  "int8_dot_tiles.inc")]
 _NAME = "tokenloop_paged_decode_attention"
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 _LDFLAGS = ["-fopenmp"]

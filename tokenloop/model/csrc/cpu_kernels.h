@@ -3,6 +3,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,32 @@ bool int8_dot_native();
 void int8_gemm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, torch::Tensor& out,
                int64_t kind, int64_t passes);
 bool int8_gemm_native();
+// int8_dot_tiles.inc (in int8_dot_matmul.cpp): the same kernels in pieces, for a caller that multiplies one set of
+// activations by many packs inside its own parallel region (moe_experts.cpp).
+namespace int8_dot {
+constexpr int64_t kFormInt4Dot = 3, kFormQ8Dot = 4, kFormQ5K = 5, kFormQ6K = 6, kFormQ4K = 7;  // moe_experts.cpp
+void moe_experts(const torch::Tensor& x, const torch::Tensor& router, int64_t top_k, bool normalize,
+                 const torch::Tensor& gate_up_codes, const torch::Tensor& gate_up_scales, int64_t gate_up_form,
+                 const torch::Tensor& down_codes, const torch::Tensor& down_scales, int64_t down_form,
+                 torch::Tensor& out, torch::Tensor& routed_experts, torch::Tensor& routed_weights);
+// decode_layers.cpp's Form numbers
+struct Rows;  // quantized activation rows, with what every pack form reads of them
+struct RowsDeleter {
+  void operator()(Rows* rows) const;
+};
+using RowsPtr = std::unique_ptr<Rows, RowsDeleter>;
+// `rows` rows of `k` values (a multiple of 32), to be filled by quantize_row or copy_row.
+RowsPtr make_rows(int64_t rows, int64_t k);
+// Quantizes `x` (k float32 values) into row `row`.
+void quantize_row(Rows& rows, int64_t row, const float* x);
+void copy_row(Rows& to, int64_t row, const Rows& from, int64_t source);
+// out[r][c] = x row r . W column c for rows [row_begin, row_end) and W's columns in tiles [tile_begin, tile_end)
+// (out's row r at out + r * ldo), in the calling thread. W: a pack of `form` (its codes and fp16 scales) with
+// `tiles` tiles and `n` columns, K the rows' width.
+void multiply_tiles(int64_t form, const Rows& x, int64_t row_begin, int64_t row_end, const uint8_t* codes,
+                    const uint16_t* scales, int64_t tiles, int64_t n, int64_t tile_begin, int64_t tile_end,
+                    float* out, int64_t ldo);
+}  // namespace int8_dot
 // fused_layer_ops.cpp
 void add_rms_norm(torch::Tensor& residual, const torch::Tensor& delta, const torch::Tensor& delta_weight,
                   const torch::Tensor& weight, double eps, torch::Tensor& out);
@@ -71,6 +98,11 @@ void q4_unpack(const torch::Tensor& nibbles, const torch::Tensor& d, const torch
 // lora_sgmv.cpp
 void lora_sgmv(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt,
                const torch::Tensor& token_slots, int64_t width, const std::vector<int64_t>& parts);
+// moe_experts.cpp
+void moe_experts(const torch::Tensor& x, const torch::Tensor& router, int64_t top_k, bool normalize,
+                 const torch::Tensor& gate_up_codes, const torch::Tensor& gate_up_scales, int64_t gate_up_form,
+                 const torch::Tensor& down_codes, const torch::Tensor& down_scales, int64_t down_form,
+                 torch::Tensor& out, torch::Tensor& routed_experts, torch::Tensor& routed_weights);
 // decode_layers.cpp
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,

@@ -787,6 +787,7 @@ void int8_dot_stack(const torch::Tensor& x, const std::vector<torch::Tensor>& co
   dot_parts(a, parts, out.data_ptr<float>(), column);
 }
 
+#include "int8_dot_tiles.inc"  // the same kernels in pieces, for moe_experts.cpp
 void int4_dot_matmul(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales,
                      torch::Tensor& out) {
   int8_dot_stack(x, {codes}, {scales}, {static_cast<int64_t>(DotFormat::kQ4)}, {out.size(-1)}, out);

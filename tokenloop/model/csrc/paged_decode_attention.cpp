@@ -308,6 +308,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul", &gelu_tanh_mul, "out = gelu_tanh(gate) * up");
   m.def("rope_write_kv", &rope_write_kv, "QK-norm and rotate Q/K, store K/V at their slots");
   m.def("lora_sgmv", &lora_sgmv, "out += each row's adapter (x A^T) B^T, rows grouped by adapter slot");
+  m.def("moe_experts", &moe_experts, "a mixture-of-experts block of int8-dot packed experts in one parallel region");
   m.def("q4_unpack", &q4_unpack, "Q4_0 / Q4_1 bytes with d and m -> a dense float32 or bf16 matrix");
   // Runs for the whole step's forward: other Python threads (the engine core's I/O) must not wait on it.
   m.def("decode_layers", &decode_layers, "all decoder layers of a pure decode step",
