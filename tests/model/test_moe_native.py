@@ -97,7 +97,7 @@ def test_the_block_runs_native_and_the_packs_view_the_stacks() -> None:
     weights = _random_moe(4, 2, False, QType.Q4_K, QType.Q6_K, seed=5)
     assert weights.native is not None
     gate_up, down = weights.native
-    assert (gate_up.form, down.form) == (ProjectionForm.INT4_DOT, ProjectionForm.Q6_K)
+    assert (gate_up.form, down.form) == (ProjectionForm.Q4_K, ProjectionForm.Q6_K)
     for e, weight in enumerate(weights.down):  # no second copy of the experts' bytes
         assert weight.packed.codes.data_ptr() == down.codes[e].data_ptr()  # type: ignore[union-attr]
     x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(6))
