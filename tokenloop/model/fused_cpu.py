@@ -183,8 +183,7 @@ def forward_fused(
     assert ops is not None
     layouts = attn if isinstance(attn, list) else [attn]
     assert len(layouts) == len(model.kv_groups()), "one AttentionMetadata per KV group"
-    num_tokens = input_ids.shape[0]
-    positions = positions.contiguous()
+    num_tokens, positions = input_ids.shape[0], positions.contiguous()
     hidden = model.embed_tokens(input_ids).contiguous()  # the fp32 residual stream, updated in place
     places, eps = model.attention_places(), cfg.rms_norm_eps
     if (lora is None or lora.native) and model.fused_decode and \
