@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from tests.model.test_kquant_dot import _coded, k_quant
 from tokenloop.model import int8_gemm
 from tokenloop.model.cpu_kernels import paged_decode_kernels
+from tokenloop.model.fused_cpu import decode_projection
 from tokenloop.model.int8_dot import Int4DotWeight, Q8DotWeight, quantize_activations
 from tokenloop.model.int8_gemm import GemmPack, gemm_available, gemm_matmul, reference
 from tokenloop.model.kquant_dot import KQuantDotWeight
+from tokenloop.model.layers.layer_weights import LayerWeights
 from tokenloop.model.layers.linear import LMHead
 from tokenloop.model.quantized import PackedLinear, RowStack
 
@@ -62,8 +64,11 @@ def test_gemm_matches_its_twin_and_the_exact_product(form: str, n: int, blocks: 
     x = activations(rows, dense.shape[1], seed)
     blocks_k = pack.codes.shape[1]
     expected = x.double() @ dense.double().t()
-    # |x - its codes| <= dx / 2 (one set) or dx / 508 (two) per value, times the coded weights' |w|
-    per_block = torch.nn.functional.pad(coded.abs().double(), (0, blocks_k * 32 - coded.shape[1])).view(n, blocks_k, 32)
+    # |x - its codes| <= dx / 2 (one set) or dx / 508 (two) per value, times the weights' |w| (one set: the m terms
+    # take the codes' sums too) or the coded weights' |d q| (two: they take x's float sums)
+    weights = dense if passes == 1 else coded
+    padded = torch.nn.functional.pad(weights.abs().double(), (0, blocks_k * 32 - weights.shape[1]))
+    per_block = padded.view(n, blocks_k, 32)
     step = quantize_activations(x, blocks_k).scales.double() / (2 if passes == 1 else 2 * 254)
     bound = step @ per_block.sum(-1).t() * 1.01
     close = 2e-5 * (x.abs().double() @ (dense.abs().double() + coded.abs().double()).t()) + 1e-30
@@ -134,3 +139,25 @@ def test_the_lm_head_keeps_two_code_sets() -> None:
     assert torch.equal(head(hidden), q8.matmul(hidden))
     one_set = PackedLinear(q8, None, 1 << 62, gemm_passes=1)  # a projection may take one set: it differs
     assert not torch.equal(one_set(hidden), q8.matmul(hidden))
+
+
+@needs_gemm
+def test_the_mlp_takes_one_code_set_and_leaves_the_decode_loop_at_many_rows() -> None:
+    """A layer's gate/up and down run the GEMM's one set at many rows, so `decode_layers` (decode kernels, two sets)
+    does not plan them there; Q/K/V and o_proj keep two sets and stay in the loop; few rows keep the loop."""
+    q4, dense, _ = make_pack("q4_k", 64, 8, seed=9)
+
+    def packed() -> PackedLinear:
+        return PackedLinear(q4, None, 1 << 62)
+
+    layer = LayerWeights(torch.ones(dense.shape[1]), packed(), None, packed(), torch.ones(dense.shape[1]), packed(),
+                         packed())
+    assert isinstance(layer.gate_up, PackedLinear) and isinstance(layer.down, PackedLinear)
+    assert isinstance(layer.qkv, PackedLinear) and isinstance(layer.o_proj, PackedLinear)
+    assert (layer.gate_up.gemm_passes, layer.down.gemm_passes) == (int8_gemm.MLP_PASSES,) * 2 == (1, 1)
+    assert (layer.qkv.gemm_passes, layer.o_proj.gemm_passes) == (2, 2)
+    many, few = int8_gemm.GEMM_MIN_ROWS, int8_gemm.GEMM_MIN_ROWS - 1
+    assert decode_projection(layer.gate_up, many) is None and decode_projection(layer.down, many) is None
+    assert decode_projection(layer.qkv, many) is not None and decode_projection(layer.gate_up, few) is not None
+    hidden = activations(many, dense.shape[1], seed=10)
+    assert torch.equal(layer.gate_up.native(hidden), gemm_matmul(q4, hidden, 1))

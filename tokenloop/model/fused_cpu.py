@@ -79,9 +79,12 @@ def _no_adapter(out: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
 
 def decode_projection(weight: Weight, rows: int) -> list[ProjectionPart] | None:
     """The parts of the form `weight` runs for `rows` rows (several for a `RowStack`, whose outputs are
-    concatenated), when `decode_layers` can run it the way `project` does; None otherwise (an fp16 matrix).
+    concatenated), when `decode_layers` can run it the way `project` does; None otherwise (an fp16 matrix, or a
+    many-row call `project` sends to the GEMM's one code set).
     Dense matrices may be oneDNN-prepacked (`prepack_dense`)."""
     if isinstance(weight, PackedLinear):
+        if weight.gemm_below_decode_precision(rows):  # the GEMM's one code set: `project` runs it, not this loop
+            return None
         if weight.dense is None or rows <= weight.packed_max_rows:
             packs = weight.packed.parts if isinstance(weight.packed, RowStack) else [weight.packed]
             return [_pack_part(pack) for pack in packs]

@@ -53,7 +53,7 @@ from tokenloop.model.int8_dot import (
     check_q8_codes,
     int8_dot_available,
 )
-from tokenloop.model.int8_gemm import PROJECTION_PASSES, many_row_product
+from tokenloop.model.int8_gemm import PROJECTION_PASSES, many_row_product, takes_gemm
 from tokenloop.model.kquant_dot import KQUANT_DOT_TYPES, KQuantDotWeight
 
 
@@ -291,6 +291,13 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (any float dtype) -> x @ W.T in x's dtype."""
         return self.native(x).to(x.dtype)
+
+    def gemm_below_decode_precision(self, rows: int) -> bool:
+        """Whether a call of `rows` rows runs the many-row GEMM with fewer activation code sets than the decode
+        kernels keep (two), so the decode kernels would not give this call's values."""
+        parts = self.packed.parts if isinstance(self.packed, RowStack) else [self.packed]
+        return self.gemm_passes < 2 and (self.dense is None or rows <= self.packed_max_rows) and \
+            takes_gemm(parts, rows)
 
     def native(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (any float dtype) -> x @ W.T in the kernel's own output dtype (bf16 for torch's int4 and bf16

@@ -6,7 +6,7 @@
 // is wider (R rows x T tiles, R up to 6): each unpacked weight vector feeds R rows and each broadcast
 // activation word T tiles, so the nibble unpacking and the per-block float work are spread over more
 // `vpdpbusd`. The activations are quantized once per call, per row and block of 32, to `passes` int8 code sets:
-//   1: x ~= dx q (llama.cpp's Q8 activations): half the integer work;
+//   1: x ~= dx q (llama.cpp's Q8 activations): half the integer work; the blocks' sums are those of the codes;
 //   2: x ~= dx q + dx / 254 r, the decode kernels' two code sets (the same sums as theirs).
 // The block's integer sums are exact; d (and m) are the file's fp16 values, applied per block as the decode
 // kernels do. Without AVX512-VNNI this file's kernel refuses (`int8_gemm_native` is false, and the callers
@@ -96,7 +96,10 @@ void quantize_block(const float* x, int64_t valid, int passes, int8_t* codes, fl
     halves[2 * p] = first;
     halves[2 * p + 1] = second;
   }
-  sum = total;
+  // One set: the m / dmin term takes the coded values' sum, as the codes' term takes the coded values. Codes are
+  // 0..15 (never centred), so with the exact sum each value's rounding error e would enter as e d q, not as
+  // e (d q + m) ~ e w: a bias, not noise (top-1 agreement of the default model 93.8% against 97.7%).
+  sum = passes == 1 ? scale * static_cast<float>(halves[0] + halves[1]) : total;
 }
 
 Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_t groups, int passes) {

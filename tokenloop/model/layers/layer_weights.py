@@ -3,12 +3,14 @@ forward reads (fused_cpu.py), below both."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from tokenloop.model.int8_gemm import MLP_PASSES
 from tokenloop.model.layers.linear import Weight
 from tokenloop.model.layers.norm import LayerNorms
+from tokenloop.model.quantized import PackedLinear
 
 
 @dataclass
@@ -24,6 +26,13 @@ class LayerWeights:
     down: Weight | None
     q_norm: torch.Tensor | None = None  # [D]: RMSNorm of each Q head before rotary (Qwen3)
     k_norm: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        # The MLP's many-row calls take one activation code set (model/int8_gemm.py: what that costs in precision).
+        if isinstance(self.gate_up, PackedLinear):
+            self.gate_up = replace(self.gate_up, gemm_passes=MLP_PASSES)
+        if isinstance(self.down, PackedLinear):
+            self.down = replace(self.down, gemm_passes=MLP_PASSES)
 
     def norms(self) -> LayerNorms:
         """The norms by place: `post_attention_norm` is the MLP's input norm in Llama's layer."""
