@@ -66,7 +66,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="of the --streams run (0: skipped)")
     parser.add_argument("--many", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-loras", type=int, default=8, help="slots in the --many run")
@@ -88,25 +88,27 @@ def main() -> None:
               f"(runs: {', '.join(f'{v:.1f}' for v in loads)}); into a slot: median "
               f"{statistics.median(copies):.1f} ms (runs: {', '.join(f'{v:.1f}' for v in copies)})")
 
-        names = [f"ad{i}" for i in range(args.streams)]
-        llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in names}, max_loras=args.streams,
-                  max_lora_rank=args.rank)
-        throughput(llm, [None, names[0]], 4)  # warm both paths
-        print(f"{args.streams} streams x {args.tokens} tokens, output tok/s (prefill included):")
-        ratios, cpu_ratios = [], []
-        for round_index in range(args.rounds):
-            base, _, base_cpu = throughput(llm, [None] * args.streams, args.tokens)
-            lora, _, lora_cpu = throughput(llm, names, args.tokens)
-            ratios.append(lora / base)
-            cpu_ratios.append(lora_cpu / base_cpu)
-            print(f"  round {round_index + 1}: base {base:.1f}, {args.streams} adapters {lora:.1f} "
-                  f"({lora / base:.2f}x); per CPU second {base_cpu:.1f} and {lora_cpu:.1f} "
-                  f"({lora_cpu / base_cpu:.2f}x)")
-        print(f"  median ratio {statistics.median(ratios):.2f}x (per CPU second {statistics.median(cpu_ratios):.2f}x)")
-        del llm
-
+        if args.rounds:
+            streams_against_base(dirs, args.streams, args.rank, args.tokens, args.rounds)
         if args.many:
             swaps(dirs, args.many, args.max_loras, args.rank, args.tokens)
+
+
+def streams_against_base(dirs: dict[str, Path], streams: int, rank: int, tokens: int, rounds: int) -> None:
+    """`streams` streams, each with its own adapter, against as many base streams, alternated on one engine."""
+    names = [f"ad{i}" for i in range(streams)]
+    llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in names}, max_loras=streams, max_lora_rank=rank)
+    throughput(llm, [None, names[0]], 4)  # warm both paths
+    print(f"{streams} streams x {tokens} tokens, output tok/s (prefill included):")
+    ratios, cpu_ratios = [], []
+    for round_index in range(rounds):
+        base, _, base_cpu = throughput(llm, [None] * streams, tokens)
+        lora, _, lora_cpu = throughput(llm, names, tokens)
+        ratios.append(lora / base)
+        cpu_ratios.append(lora_cpu / base_cpu)
+        print(f"  round {round_index + 1}: base {base:.1f}, {streams} adapters {lora:.1f} ({lora / base:.2f}x); "
+              f"per CPU second {base_cpu:.1f} and {lora_cpu:.1f} ({lora_cpu / base_cpu:.2f}x)")
+    print(f"  median ratio {statistics.median(ratios):.2f}x (per CPU second {statistics.median(cpu_ratios):.2f}x)")
 
 
 def swaps(dirs: dict[str, Path], many: int, max_loras: int, rank: int, tokens: int) -> None:
