@@ -125,6 +125,7 @@ def test_a_reused_slot_holds_only_its_new_adapter() -> None:
     reused.register(partial)
     fresh.register(partial)
     assert reused.slots_for(["partial"]) == fresh.slots_for(["partial"]) == {"partial": 0}
+    assert (reused.num_loads, fresh.num_loads) == (2, 1) and reused.load_seconds > 0 and fresh.load_seconds > 0
     for layer in range(config.num_layers):
         for kind in FUSED_PROJECTIONS:
             assert torch.equal(reused.a[layer][kind], fresh.a[layer][kind])
