@@ -1,12 +1,14 @@
 """LoRA serving cost on the default model, side by side in one run (issue 32, performance).
 
-    PYTHONPATH=. python scripts/bench_lora.py [--streams 8] [--tokens 64] [--rounds 2] [--many 32]
+    PYTHONPATH=. python scripts/bench_lora.py [--streams 8] [--tokens 64] [--rounds 2] [--many 32] [--max-loras 8]
 
 1. Load time of one rank-16 adapter (PEFT directory, all seven projections): median of 5 loads (reading and
    checking it), and of copying it into a slot (over the previous adapter there).
 2. `--streams` greedy streams, each with its own rank-16 adapter, against the same streams on the base model,
    alternated base / adapters for `--rounds` rounds on one engine: output tok/s (prefill included).
-3. `--many` streams over `--many` adapters with --max-loras 8: throughput, and the slot swaps it cost.
+3. `--many` streams over `--many` adapters with `--max-loras` slots (0: skipped): throughput against as many
+   base streams and against `--many` streams over `--max-loras` adapters (no swap), and the swaps' cost: slot
+   loads, evictions, the time spent copying adapters into slots (per load, and its share of the run).
 The adapters are random (PEFT's layout and names, written here), so their outputs are noise; only time counts.
 """
 
@@ -47,23 +49,27 @@ def write_adapter(directory: Path, config, rank: int, seed: int, scale: float = 
     return directory
 
 
-def throughput(llm: LLM, adapters: list[str | None], tokens: int) -> tuple[float, float]:
-    """(output tok/s, seconds) of one greedy stream per entry of `adapters` (None: the base model)."""
+def throughput(llm: LLM, adapters: list[str | None], tokens: int) -> tuple[float, float, float]:
+    """(output tok/s, seconds, output tokens per CPU second of this process) of one greedy stream per entry of
+    `adapters` (None: the base model). The CPU rate is what a busy machine's descheduling disturbs least (at one
+    thread: with two, a thread waiting for a descheduled one spins on its CPU)."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     requests = [LoRARequest(name) if name else None for name in adapters]
-    begin = time.perf_counter()
+    begin, begin_cpu = time.perf_counter(), time.process_time()
     outputs = llm.generate([PROMPT] * len(adapters), params, lora_request=requests, use_tqdm=False)
-    seconds = time.perf_counter() - begin
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds, seconds
+    seconds, cpu = time.perf_counter() - begin, time.process_time() - begin_cpu
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return generated / seconds, seconds, generated / cpu
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="of the --streams run (0: skipped)")
     parser.add_argument("--many", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--max-loras", type=int, default=8, help="slots in the --many run")
     args = parser.parse_args()
     config = load_checkpoint(DEFAULT_MODEL).config
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,33 +88,48 @@ def main() -> None:
               f"(runs: {', '.join(f'{v:.1f}' for v in loads)}); into a slot: median "
               f"{statistics.median(copies):.1f} ms (runs: {', '.join(f'{v:.1f}' for v in copies)})")
 
-        names = [f"ad{i}" for i in range(args.streams)]
-        llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in names}, max_loras=args.streams,
-                  max_lora_rank=args.rank)
-        throughput(llm, [None, names[0]], 4)  # warm both paths
-        print(f"{args.streams} streams x {args.tokens} tokens, output tok/s (prefill included):")
-        ratios = []
-        for round_index in range(args.rounds):
-            base, _ = throughput(llm, [None] * args.streams, args.tokens)
-            lora, _ = throughput(llm, names, args.tokens)
-            ratios.append(lora / base)
-            print(f"  round {round_index + 1}: base {base:.1f}, {args.streams} adapters {lora:.1f} "
-                  f"({lora / base:.2f}x)")
-        print(f"  median ratio {statistics.median(ratios):.2f}x")
-        del llm
+        if args.rounds:
+            streams_against_base(dirs, args.streams, args.rank, args.tokens, args.rounds)
+        if args.many:
+            swaps(dirs, args.many, args.max_loras, args.rank, args.tokens)
 
-        many = [f"ad{i}" for i in range(args.many)]
-        llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in many}, max_loras=8,
-                  max_lora_rank=args.rank, max_num_seqs=args.many)
-        throughput(llm, [None, many[0]], 4)
-        slots = llm.engine.core.adapters.slots
-        loads_before, evictions_before = slots.num_loads, slots.num_evictions
-        base, _ = throughput(llm, [None] * args.many, args.tokens)
-        lora, seconds = throughput(llm, many, args.tokens)
-        print(f"{args.many} streams over {args.many} adapters, --max-loras 8: base {base:.1f} tok/s, "
-              f"adapters {lora:.1f} tok/s ({lora / base:.2f}x) in {seconds:.1f} s; slot loads "
-              f"{slots.num_loads - loads_before}, evictions {slots.num_evictions - evictions_before}")
 
+def streams_against_base(dirs: dict[str, Path], streams: int, rank: int, tokens: int, rounds: int) -> None:
+    """`streams` streams, each with its own adapter, against as many base streams, alternated on one engine."""
+    names = [f"ad{i}" for i in range(streams)]
+    llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in names}, max_loras=streams, max_lora_rank=rank)
+    throughput(llm, [None, names[0]], 4)  # warm both paths
+    print(f"{streams} streams x {tokens} tokens, output tok/s (prefill included):")
+    ratios, cpu_ratios = [], []
+    for round_index in range(rounds):
+        base, _, base_cpu = throughput(llm, [None] * streams, tokens)
+        lora, _, lora_cpu = throughput(llm, names, tokens)
+        ratios.append(lora / base)
+        cpu_ratios.append(lora_cpu / base_cpu)
+        print(f"  round {round_index + 1}: base {base:.1f}, {streams} adapters {lora:.1f} ({lora / base:.2f}x); "
+              f"per CPU second {base_cpu:.1f} and {lora_cpu:.1f} ({lora_cpu / base_cpu:.2f}x)")
+    print(f"  median ratio {statistics.median(ratios):.2f}x (per CPU second {statistics.median(cpu_ratios):.2f}x)")
+
+
+def swaps(dirs: dict[str, Path], many: int, max_loras: int, rank: int, tokens: int) -> None:
+    """`many` streams over `many` adapters with `max_loras` slots, against `many` base streams and `many`
+    streams over `max_loras` adapters (resident, no swap): tok/s, and what the swaps cost."""
+    names = [f"ad{i}" for i in range(many)]
+    llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in names}, max_loras=max_loras,
+              max_lora_rank=rank, max_num_seqs=many)
+    throughput(llm, [None, names[0]], 4)
+    slots = llm.engine.core.adapters.slots
+    base = throughput(llm, [None] * many, tokens)[0]
+    resident = throughput(llm, [names[i % max_loras] for i in range(many)], tokens)[0]
+    loads, evictions, spent = slots.num_loads, slots.num_evictions, getattr(slots, "load_seconds", 0.0)
+    lora, seconds, _ = throughput(llm, names, tokens)
+    loads, evictions = slots.num_loads - loads, slots.num_evictions - evictions
+    spent = getattr(slots, "load_seconds", 0.0) - spent  # absent on trees before the swap timing
+    print(f"{many} streams over {many} adapters, --max-loras {max_loras}: {lora:.1f} tok/s in {seconds:.2f} s; "
+          f"base {base:.1f} tok/s ({lora / base:.2f}x); {many} streams over {max_loras} resident adapters "
+          f"{resident:.1f} tok/s ({lora / resident:.2f}x); slot loads {loads}, evictions {evictions}, copying "
+          f"into slots {spent * 1e3:.1f} ms ({spent * 1e3 / max(loads, 1):.2f} ms a load, "
+          f"{spent / seconds:.1%} of the run)")
 
 if __name__ == "__main__":
     main()

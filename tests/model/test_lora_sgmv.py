@@ -39,13 +39,16 @@ def _exact(batch: LoRABatch, base: torch.Tensor, x: torch.Tensor, layer: int, ki
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """base + each row's (x A^T) B^T in float64 from the inputs as given, and the same sum over the terms'
     absolute values (the scale of any path's rounding error)."""
-    width = batch.slots.width[kind]
+    width, rank, columns = batch.slots.width[kind], batch.slots.max_rank, batch.slots.part_columns[kind]
     exact, magnitude = base.double(), base.double().abs()
     for row, slot in enumerate(batch.token_slots.tolist()):
         if slot < 0:
             continue
         a = batch.slots.a[layer][kind][slot * width:(slot + 1) * width].double()
-        bt = batch.slots.bt[layer][kind][slot * width:(slot + 1) * width].double()
+        folded = batch.slots.bt[layer][kind][slot * rank:(slot + 1) * rank].double()
+        bt = torch.zeros(width, folded.shape[1], dtype=torch.float64)  # B^T block-diagonal, unfolded
+        for part, (first, end) in enumerate(zip(columns, columns[1:])):
+            bt[part * rank:(part + 1) * rank, first:end] = folded[:, first:end]
         shrunk = x[row].double() @ a.T
         exact[row] += shrunk @ bt
         magnitude[row] += (x[row].double().abs() @ a.abs().T) @ bt.abs()
@@ -122,6 +125,7 @@ def test_a_reused_slot_holds_only_its_new_adapter() -> None:
     reused.register(partial)
     fresh.register(partial)
     assert reused.slots_for(["partial"]) == fresh.slots_for(["partial"]) == {"partial": 0}
+    assert (reused.num_loads, fresh.num_loads) == (2, 1) and reused.load_seconds > 0 and fresh.load_seconds > 0
     for layer in range(config.num_layers):
         for kind in FUSED_PROJECTIONS:
             assert torch.equal(reused.a[layer][kind], fresh.a[layer][kind])

@@ -3,7 +3,8 @@
 An adapter's output adds on top of its base projection's: `x @ A.T @ B.T * scaling`, with the scaling folded
 into B. The model fuses Q/K/V and gate/up into one matrix each (models/llama.py LayerWeights); a resident
 adapter is fused the same way when it is loaded into a slot (model/lora_slots.py): the sub-projections' A
-matrices stacked, their B matrices block-diagonal, so one pair of GEMMs serves all of them.
+matrices stacked, their B matrices block-diagonal (kept as the diagonal blocks alone), so one shrink and one
+expand serve all of them.
 """
 
 from __future__ import annotations

@@ -1,17 +1,21 @@
 """The adapters resident for the forward, and one step's low-rank products over its rows.
 
-`AdapterSlots` keeps `max_loras` slots: per layer and fused projection, every slot's A stacked into one
-[slots * n * r, in] matrix and every slot's B (transposed) into one [slots * n * r, out]. A step whose rows use
+`AdapterSlots` keeps `max_loras` slots: per layer and fused projection of n parts, every slot's A stacked into
+one [slots * n * r, in] matrix, and every slot's B (transposed) into one [slots * r, out]: a fused projection's B
+is block-diagonal, and only its diagonal is kept, folded onto the same r rows (part p's rows in part p's output
+columns), so that a slot's B^T is one contiguous block, read in one stream. A step whose rows use
 adapters gets a `LoRABatch`: each token's slot. On the CPU one native call per projection (csrc/lora_sgmv.cpp,
 Punica's SGMV idea) groups the rows by slot and reads each used slot's A and B once, B's zero blocks skipped.
-The PyTorch path, the fallback and the kernel's reference, runs two GEMMs per projection for the whole step,
-whatever mix of adapters its rows use (the gather done by a mask): x @ A_used.T, masked to each row's own
-slot's columns, @ B_used, added to the base projection's output. Only the range of slots the step uses is read.
+The PyTorch path, the fallback and the kernel's reference, runs GEMMs over the whole step, whatever mix of
+adapters its rows use (the gather done by a mask): x @ A_used.T, masked to each row's own slot's columns, then
+per part its rank columns @ B_used's part, added to the base projection's output. Only the range of slots the
+step uses is read.
 Rows of the base model get no product; a step with no adapter row gets no batch at all and runs as before.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from types import ModuleType
@@ -50,9 +54,10 @@ class AdapterSlots:
         for _ in range(config.num_layers):
             a, bt = {}, {}
             for kind, modules in FUSED_PROJECTIONS.items():
-                rows = max_loras * self.width[kind]
-                a[kind] = torch.zeros(rows, shapes[modules[0]][1], dtype=dtype, device=device)
-                bt[kind] = torch.zeros(rows, sum(shapes[m][0] for m in modules), dtype=dtype, device=device)
+                a[kind] = torch.zeros(max_loras * self.width[kind], shapes[modules[0]][1], dtype=dtype,
+                                      device=device)
+                bt[kind] = torch.zeros(max_loras * max_rank, sum(shapes[m][0] for m in modules), dtype=dtype,
+                                       device=device)
             self.a.append(a)
             self.bt.append(bt)
         # The same tensors flat, per layer per kind, as `decode_layers` takes them (slot loads write in place).
@@ -62,6 +67,7 @@ class AdapterSlots:
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapter -> its slot, oldest use first
         self.num_loads = 0
         self.num_evictions = 0
+        self.load_seconds = 0.0  # spent copying adapters into slots (the cost of a swap, for benchmarks)
 
     @property
     def resident(self) -> list[str]:
@@ -105,9 +111,10 @@ class AdapterSlots:
 
     def _load(self, adapter: LoRAAdapter, slot: int) -> None:
         """Copy an adapter into a slot, fused as the base projections are: per fused projection, each
-        sub-projection's A in its own `max_rank` rows, its B (transposed) in the same rows and its own output
-        columns; everything it does not adapt (and the padding past its rank) zero. B's blocks outside the
-        diagonal are zero from the start and never written: only the rows written here are cleared."""
+        sub-projection's A in its own `max_rank` rows, its B (transposed) in the slot's `max_rank` rows of B^T
+        and its own output columns; everything it does not adapt (and the padding past its rank) zero. Only
+        what is not written here is cleared."""
+        begin = time.perf_counter()
         rank, max_rank = adapter.rank, self.max_rank
         for index, modules in enumerate(adapter.layers):
             for kind, parts in FUSED_PROJECTIONS.items():
@@ -117,17 +124,18 @@ class AdapterSlots:
                 for part, module in enumerate(parts):
                     out_features = self.out_features[module]
                     pair = modules.get(module)
-                    first = slot * width + part * max_rank
+                    first, b_first = slot * width + part * max_rank, slot * max_rank
                     filled = 0 if pair is None else rank
                     if pair is not None:
                         a[first:first + rank].copy_(pair[0])
-                        bt[first:first + rank, column:column + out_features].copy_(pair[1].T)
+                        bt[b_first:b_first + rank, column:column + out_features].copy_(pair[1].T)
                     if filled < max_rank:  # what the slot's previous adapter left there
                         a[first + filled:first + max_rank].zero_()
-                        bt[first + filled:first + max_rank, column:column + out_features].zero_()
+                        bt[b_first + filled:b_first + max_rank, column:column + out_features].zero_()
                     column += out_features
         self._slot_of[adapter.name] = slot
         self.num_loads += 1
+        self.load_seconds += time.perf_counter() - begin
 
     def batch(self, token_slots: np.ndarray) -> LoRABatch | None:
         """The step's products for tokens in slots `token_slots` ([T], -1 for the base model), or None when
@@ -189,15 +197,19 @@ class LoRABatch:
         return self.add_reference_(out, x, layer, kind)
 
     def add_reference_(self, out: torch.Tensor, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
-        """`add_` in PyTorch ops: two GEMMs over the used slots, masked to each row's own slot."""
-        width = self.slots.width[kind]
-        used = slice(self.lo * width, self.hi * width)
-        a, bt = self.slots.a[layer][kind][used], self.slots.bt[layer][kind][used]
+        """`add_` in PyTorch ops: x @ A.T over the used slots, masked to each row's own slot, then per part
+        its rank columns @ its part of the folded B^T."""
+        slots, width, rank = self.slots, self.slots.width[kind], self.slots.max_rank
+        a = slots.a[layer][kind][self.lo * width:self.hi * width]
+        bt = slots.bt[layer][kind][self.lo * rank:self.hi * rank]
         shrunk = torch.mm(x.to(a.dtype), a.T)
         shrunk.mul_(self._mask(width))
-        if out.dtype == bt.dtype:
-            return out.addmm_(shrunk, bt)
-        return out.add_(torch.mm(shrunk, bt))
+        columns = slots.part_columns[kind]
+        parts = shrunk.view(len(shrunk), self.hi - self.lo, len(columns) - 1, rank)
+        for part, (first, end) in enumerate(zip(columns, columns[1:])):
+            product = torch.mm(parts[:, :, part].reshape(len(shrunk), -1), bt[:, first:end])
+            out[:, first:end] += product
+        return out
 
     def for_layer(self, layer: int) -> LayerLoRA:
         return LayerLoRA(self, layer)

@@ -125,7 +125,7 @@ std::vector<Projection> read_projections(const std::vector<torch::Tensor>& matri
 }
 
 // ---- the step's LoRA products (model/lora_slots.py), added right after each projection ----
-// Per projection (as `matrices`' 4L projections) every slot's stacked A [S*width, in] and B^T [S*width, out];
+// Per projection (as `matrices`' 4L projections) every slot's stacked A [S*width, in] and folded B^T [S*rank, out];
 // per kind (qkv, o_proj, gate_up, down) its width and its parts' column bounds. Empty: no adapter row.
 struct StepAdapters {
   const std::vector<torch::Tensor>& a;
