@@ -94,3 +94,33 @@ def test_float_experts_run_the_fused_layers_and_leave_the_loop_to_python(tmp_pat
     model = model_class("olmoe").from_weights(checkpoint.config, checkpoint.weights)
     assert model.fused_ops is not None
     assert model.decode_plan(1) is None
+
+
+def test_attention_adapters_on_an_moe_model_decode_in_the_one_call_loop(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoRA on an MoE family's attention (adapters on experts are refused): decode steps with adapter rows run
+    the one-call loop, experts inside it, and give the Python layer loop's tokens and logprobs, bit for bit."""
+    from tests.lora_adapters import write_peft_adapter
+    from tokenloop import LLM, LoRARequest, SamplingParams
+    from tokenloop.model import fused_cpu
+
+    family = write_tiny_family(tmp_path / "olmoe", "olmoe")
+    adapter = write_peft_adapter(family, tmp_path / "adapter", 4, 8.0, ["q_proj", "v_proj", "o_proj"], seed=3)
+    gguf_path = write_tiny_gguf(family, tmp_path / "q8_0.gguf", QType.Q8_0)
+    one_call, adapted = fused_cpu._decode_all_layers, []
+    monkeypatch.setattr(fused_cpu, "_decode_all_layers",
+                        lambda *args, **kwargs: adapted.append(len(args) > 6 and args[6] is not None)
+                        or one_call(*args, **kwargs))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [5, 9, 17, 3, 12, 40][:n]} for n in (6, 3, 5)]
+    results = []
+    for one_call_loop in (True, False):
+        llm = LLM(str(gguf_path), lora_modules={"a": str(adapter)}, block_size=4, num_blocks=64)
+        if one_call_loop and llm.engine.model.decode_plan(len(prompts)) is None:
+            pytest.skip("the experts are not packed for the native block here")
+        llm.engine.model.fused_decode = one_call_loop
+        outputs = llm.generate(prompts, params, lora_request=[LoRARequest("a"), None, LoRARequest("a")],
+                               use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
+    assert adapted and all(adapted)  # every decode step of the first run had adapter rows and ran in one call
+    assert results[0] == results[1]
