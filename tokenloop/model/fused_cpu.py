@@ -3,13 +3,15 @@
 and for a pure decode step all layers in one C++ call (csrc/decode_layers.cpp), planned per row count.
 
 The kernels know a layer by data, not by family: its norms by place (`LayerWeights.norms`: Llama's two, Qwen3's
-QK-norm, Gemma 3's norms on the attention's and the MLP's outputs), the MLP's gate (`mlp_activation`), and per
-layer its KV group (`attention_places`), whose layout, rotary table (`group_rotary`) and window it attends with.
+QK-norm per head, OLMoE's over the whole Q and K, Gemma 3's norms on the attention's and the MLP's outputs), the
+MLP's gate (`mlp_activation`), per layer its KV group (`attention_places`), whose layout, rotary table
+(`group_rotary`) and window it attends with, and routed experts in place of the MLP (`LayerWeights.decode_experts`:
+the family's `feed_forward` per layer, one native call a layer inside the decode loop).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from types import ModuleType
@@ -19,7 +21,7 @@ import torch
 
 from tokenloop.config import KVGroup, ModelConfig
 from tokenloop.model.attention import AttentionMetadata, paged_attention
-from tokenloop.model.layers.layer_weights import LayerWeights
+from tokenloop.model.layers.layer_weights import DecodeExperts, LayerWeights
 from tokenloop.model.layers.linear import Weight, input_dtype, project
 from tokenloop.model.layers.rotary import RotaryTables
 from tokenloop.model.quantized import Int4Weight, Pack, PackedLinear, Q8Weight, RowStack, int8_dot_form
@@ -57,16 +59,20 @@ class DecodePlan:
     """The flat argument lists the C++ `decode_layers` takes, for the weight forms of one row count: per layer
     its six norm weights (`LayerNorms.in_order`, an empty tensor where it has none); per projection (qkv,
     o_proj, gate_up, down) its parts' matrices and scales, and in `layout` its part count followed by each
-    part's form and width."""
+    part's form and width (0 parts for an MoE layer's gate_up and down). `experts` / `expert_layout`: per layer
+    its `DecodeExperts` (empty tensors and zeros for a gated MLP), or empty lists where no layer has experts."""
 
     norms: list[torch.Tensor]
     matrices: list[torch.Tensor]
     scales: list[torch.Tensor]
     layout: list[int]
+    experts: list[torch.Tensor]
+    expert_layout: list[int]
 
 
 _NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales
 _NO_NORM = torch.empty(0)  # marks a place without a norm for the kernels
+_NO_EXPERTS = DecodeExperts([_NO_NORM] * 5, [0] * 4)  # a layer with its gated MLP, in `decode_layers`' experts
 # `decode_layers`' adapter arguments for a step without adapter rows (A, B^T, token slots, widths, parts).
 _NO_ADAPTERS: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[int], list[list[int]]] = (
     [], [], torch.empty(0, dtype=torch.long), [], [])
@@ -105,11 +111,19 @@ def _pack_part(pack: Pack) -> ProjectionPart:
 
 def layers_fusable(layers: list[LayerWeights]) -> bool:
     """Whether the elementwise kernels can read every layer's GEMM outputs: fp32 or bf16 (so no fp16 matrix)
-    and no QKV bias."""
+    and no QKV bias. An MoE layer's experts (no gate_up and down) run in the family's own block."""
     forms = (torch.float32, torch.bfloat16)
     return all(layer.qkv_bias is None and all(w is not None and (isinstance(w, PackedLinear) or w.dtype in forms)
-                                              for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+                                              for w in _projections(layer))
                for layer in layers)
+
+
+def _projections(layer: LayerWeights) -> list[Weight | None]:
+    """The layer's projections: qkv, o_proj, gate_up and down, or only the first two where routed experts
+    replace the MLP (`LayerWeights.decode_experts`)."""
+    if layer.gate_up is None and layer.down is None:
+        return [layer.qkv, layer.o_proj]
+    return [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
 
 
 def plan_decode(layers: list[LayerWeights], rows: int) -> DecodePlan | None:
@@ -119,10 +133,17 @@ def plan_decode(layers: list[LayerWeights], rows: int) -> DecodePlan | None:
     matrices: list[torch.Tensor] = []
     scales: list[torch.Tensor] = []
     layout: list[int] = []
+    experts = DecodeExperts([], [])
     for layer in layers:
         norms += layer.norms().in_order(_NO_NORM)
-        for weight in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-            parts = decode_projection(weight, rows)
+        projections = _projections(layer)
+        routed = _NO_EXPERTS if len(projections) == 4 else layer.decode_experts()
+        if routed is None:
+            return None
+        experts.tensors.extend(routed.tensors)
+        experts.numbers.extend(routed.numbers)
+        for weight in projections:
+            parts = None if weight is None else decode_projection(weight, rows)
             if parts is None:
                 return None
             layout.append(len(parts))
@@ -130,7 +151,10 @@ def plan_decode(layers: list[LayerWeights], rows: int) -> DecodePlan | None:
                 matrices.append(part.matrix)
                 scales.append(part.scales)
                 layout += [int(part.form), part.width]
-    return DecodePlan(norms, matrices, scales, layout)
+        layout += [0] * (4 - len(projections))  # an MoE layer's gate_up and down: no parts
+    if not any(experts.numbers):  # no layer has experts: the loop takes empty lists
+        experts = DecodeExperts([], [])
+    return DecodePlan(norms, matrices, scales, layout, experts.tensors, experts.numbers)
 
 
 class _Ticker(Protocol):
@@ -162,6 +186,7 @@ class FusedModel(Protocol):
     def progress(self) -> _Ticker: ...
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def feed_forward(self, layer: LayerWeights, normed: torch.Tensor) -> torch.Tensor: ...
     def kv_groups(self) -> tuple[KVGroup, ...]: ...
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor: ...
     def attention_places(self) -> list[tuple[int, int]]: ...
@@ -215,20 +240,32 @@ def forward_fused(
         ops.rope_write_kv(qkv, positions, rope.cos, rope.sin, layout.slot_mapping, q_heads, k_heads, eps, key_cache,
                           value_cache, q, k, v)
         attended = paged_attention(q, k, v, key_cache, value_cache, layout, model.scale, kv_written=True)
-        normed = torch.empty(num_tokens, cfg.hidden_size, dtype=input_dtype(layer.gate_up, num_tokens))
+        routed = layer.gate_up is None  # experts in place of the MLP: the family's block takes float32
+        normed = torch.empty(num_tokens, cfg.hidden_size,
+                             dtype=torch.float32 if routed else input_dtype(layer.gate_up, num_tokens))
         attended = attended.view(num_tokens, -1)
         ops.add_rms_norm(hidden, adapt(project(attended, layer.o_proj), attended, "o_proj"), attention_output,
                          feed_forward_input, eps, normed)
-        gate_up = adapt(project(normed, layer.gate_up), normed, "gate_up")
-        activated = torch.empty(num_tokens, gate_up.shape[1] // 2, dtype=input_dtype(layer.down, num_tokens))
-        activate(gate_up, activated)
-        delta, delta_norm = adapt(project(activated, layer.down), activated, "down"), feed_forward_output
+        delta = model.feed_forward(layer, normed) if routed else _gated_mlp(layer, normed, adapt, activate)
+        delta_norm = feed_forward_output
         tick()
     final = torch.empty(num_tokens, cfg.hidden_size)
     ops.add_rms_norm(hidden, delta, delta_norm, model.final_norm, eps, final)
     if logits_indices is not None:
         final = final.index_select(0, logits_indices)
     return model.lm_head(final)
+
+
+def _gated_mlp(layer: LayerWeights, normed: torch.Tensor, adapt: Callable[[torch.Tensor, torch.Tensor, str],
+                                                                          torch.Tensor],
+               activate: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """The layer's gated MLP over its normalized input on the fused kernels, with the step's adapter products."""
+    assert layer.gate_up is not None and layer.down is not None
+    rows = normed.shape[0]
+    gate_up = adapt(project(normed, layer.gate_up), normed, "gate_up")
+    activated = torch.empty(rows, gate_up.shape[1] // 2, dtype=input_dtype(layer.down, rows))
+    activate(gate_up, activated)
+    return adapt(project(activated, layer.down), activated, "down")
 
 
 def _decode_all_layers(model: FusedModel, plan: DecodePlan, hidden: torch.Tensor, positions: torch.Tensor,
@@ -242,7 +279,7 @@ def _decode_all_layers(model: FusedModel, plan: DecodePlan, hidden: torch.Tensor
     decodes = [layout.decode for layout in layouts if layout.decode is not None]
     rotaries = [model.group_rotary(group) for group in range(len(layouts))]
     ticks = model.progress.layer_ticks
-    ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales, plan.layout,
+    ops.decode_layers(hidden, plan.norms, plan.matrices, plan.scales, plan.layout, plan.experts, plan.expert_layout,
                       [cache for _, pair in places for cache in kv_caches[pair]], [g for g, _ in places],
                       positions, [r.cos for r in rotaries], [r.sin for r in rotaries],
                       [layout.slot_mapping for layout in layouts], [d.block_table for d in decodes],

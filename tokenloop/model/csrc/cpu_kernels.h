@@ -106,7 +106,8 @@ void moe_experts(const torch::Tensor& x, const torch::Tensor& router, int64_t to
 // decode_layers.cpp
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,
-                   const std::vector<int64_t>& layout,
+                   const std::vector<int64_t>& layout, const std::vector<torch::Tensor>& experts,
+                   const std::vector<int64_t>& expert_layout,
                    std::vector<torch::Tensor>& kv_caches, const std::vector<int64_t>& layer_groups,
                    const torch::Tensor& positions, const std::vector<torch::Tensor>& cos,
                    const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& slots,

@@ -6,8 +6,8 @@
 // same order, so the results are bit for bit the same) without returning to Python between layers.
 // Only pure decode steps come here: one query token per sequence, attended by `paged_decode_attention`.
 // The layer shape is data: which norms a layer has (Llama's two, Qwen3's QK-norm, Gemma 3's four and QK-norm),
-// the MLP's gate activation, and per layer its KV group (Gemma's sliding layers: their own rotary table, block
-// table and window).
+// the MLP's gate activation, per layer its KV group (Gemma's sliding layers: their own rotary table, block
+// table and window), and whether routed experts replace its MLP (OLMoE, Qwen3-MoE: csrc/moe_experts.cpp).
 #include "cpu_kernels.h"
 
 #include <torch/extension.h>
@@ -88,7 +88,8 @@ struct Projection {
     widths.push_back(part.width);
     width += part.width;
   }
-  c10::ScalarType input_dtype() const { return parts.front().input_dtype(); }
+  // An MoE layer's MLP has no parts: its experts read float32 (moe_experts).
+  c10::ScalarType input_dtype() const { return parts.empty() ? torch::kFloat32 : parts.front().input_dtype(); }
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (parts.size() == 1) return parts.front()(x);
     torch::Tensor out = torch::empty({x.size(0), width}, x.options().dtype(torch::kFloat32));
@@ -106,7 +107,7 @@ std::vector<Projection> read_projections(const std::vector<torch::Tensor>& matri
   std::vector<Projection> projections(count);
   size_t at = 0, part = 0;
   for (Projection& projection : projections) {
-    TORCH_CHECK(at < layout.size() && layout[at] > 0, "decode_layers: layout ends before projection ",
+    TORCH_CHECK(at < layout.size() && layout[at] >= 0, "decode_layers: layout ends before projection ",
                 &projection - projections.data());
     const int64_t parts = layout[at++];
     TORCH_CHECK(at + 2 * parts <= layout.size() && part + parts <= matrices.size(),
@@ -149,6 +150,48 @@ struct StepAdapters {
   }
 };
 
+// ---- routed experts in place of a layer's MLP (layers/moe.py), one moe_experts call (csrc/moe_experts.cpp) ----
+constexpr int64_t kExpertTensors = 5;  // router [E, H] float32; gate/up codes, scales; down codes, scales
+constexpr int64_t kExpertInts = 4;  // top k (0: the layer has its gated MLP), renormalize, gate/up form, down form
+
+struct LayerExperts {
+  const torch::Tensor* tensors = nullptr;  // kExpertTensors of them; null: a gated MLP
+  const int64_t* layout = nullptr;
+
+  bool present() const { return tensors != nullptr; }
+  // The routed experts' weighted sum [T, H] float32 of normed [T, H] float32.
+  torch::Tensor operator()(const torch::Tensor& normed) const {
+    const int64_t top_k = layout[0];
+    torch::Tensor out = torch::empty_like(normed);
+    torch::Tensor chosen = torch::empty({normed.size(0), top_k}, normed.options().dtype(torch::kInt64));
+    torch::Tensor weights = torch::empty({normed.size(0), top_k}, normed.options());
+    moe_experts(normed, tensors[0], top_k, layout[1] != 0, tensors[1], tensors[2], layout[2], tensors[3], tensors[4],
+                layout[3], out, chosen, weights);
+    return out;
+  }
+};
+
+// Each layer's experts from `experts` (kExpertTensors a layer) and `layout` (kExpertInts a layer); both empty
+// where no layer has any. A layer with experts runs no MLP projection (its gate_up and down have no parts), and
+// a layer without them runs both.
+std::vector<LayerExperts> read_experts(const std::vector<torch::Tensor>& experts, const std::vector<int64_t>& layout,
+                                       const std::vector<Projection>& projections, int64_t layers) {
+  std::vector<LayerExperts> found(layers);
+  const bool none = experts.empty() && layout.empty();
+  TORCH_CHECK(none || (static_cast<int64_t>(experts.size()) == kExpertTensors * layers &&
+                       static_cast<int64_t>(layout.size()) == kExpertInts * layers),
+              "decode_layers: expected ", kExpertTensors, " expert tensors and ", kExpertInts, " numbers a layer");
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    if (!layout.empty() && layout[kExpertInts * layer] > 0)
+      found[layer] = {&experts[kExpertTensors * layer], &layout[kExpertInts * layer]};
+    const Projection* own = &projections[kProjectionsPerLayer * layer];  // qkv, o_proj, gate_up, down
+    TORCH_CHECK(!own[0].parts.empty() && !own[1].parts.empty() &&
+                    own[2].parts.empty() == found[layer].present() && own[3].parts.empty() == found[layer].present(),
+                "decode_layers: layer ", layer, " needs its attention's projections, and its MLP's or experts");
+  }
+  return found;
+}
+
 }  // namespace
 
 // hidden [T, H] float32: the residual stream after the embedding, updated in place; final_out [T, H] float32
@@ -158,7 +201,9 @@ struct StepAdapters {
 // matrices / scales: the parts of per layer qkv, o_proj, gate_up, down (4L projections, one part each or a row
 // stack's several): a pack's codes and scales (torch's int4: bf16 scales and zeros; the float32 Q8_0 kernel's:
 // float32; int8-dot and K-quant: fp16), or a dense matrix and an empty tensor. layout: per projection its part
-// count, then each part's form (`Form`) and output width. kv_caches: per layer K then V (2L).
+// count, then each part's form (`Form`) and output width. experts / expert_layout: per layer (`read_experts`) the
+// routed experts that replace its MLP (its gate_up and down then have 0 parts), or empty lists for a model
+// without them. kv_caches: per layer K then V (2L).
 // layer_groups [L]: each layer's KV group, which picks from the per-group lists: cos, sin [P, D/2] (the group's
 // rotary table), slots [T] and block_tables [T, max_blocks] int64, windows (0: full attention). positions,
 // seq_lens [T] int64. gelu: the MLP gate is tanh-GELU (GeGLU), else SiLU. adapter_*: the step's LoRA products
@@ -166,7 +211,8 @@ struct StepAdapters {
 // layer: the engine core's heartbeat reads it while this call (which releases the GIL) runs (core/heartbeat.py).
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,
-                   const std::vector<int64_t>& layout,
+                   const std::vector<int64_t>& layout, const std::vector<torch::Tensor>& experts,
+                   const std::vector<int64_t>& expert_layout,
                    std::vector<torch::Tensor>& kv_caches, const std::vector<int64_t>& layer_groups,
                    const torch::Tensor& positions, const std::vector<torch::Tensor>& cos,
                    const std::vector<torch::Tensor>& sin, const std::vector<torch::Tensor>& slots,
@@ -184,6 +230,7 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
               "decode_layers: layer_ticks must be one int64");
   int64_t* ticks = layer_ticks.data_ptr<int64_t>();
   const std::vector<Projection> projections = read_projections(matrices, scales, layout, kProjectionsPerLayer * layers);
+  const std::vector<LayerExperts> layer_experts = read_experts(experts, expert_layout, projections, layers);
   const StepAdapters adapters{adapter_a, adapter_bt, adapter_slots, adapter_widths, adapter_parts};
   adapters.check(layers);
   const size_t groups = windows.size();
@@ -229,6 +276,12 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
     adapters.add(o_out, attended_rows, w + 1);  // float32 rows, as the per-layer path gives its adapter
     normed = torch::empty({tokens, hidden_size}, f32.dtype(gate_up.input_dtype()));
     add_rms_norm(hidden, o_out, norm[1], norm[2], eps, normed);
+    if (layer_experts[layer].present()) {  // routed experts in place of the MLP (no adapters on experts)
+      delta = layer_experts[layer](normed);
+      delta_norm = &norm[3];
+      __atomic_fetch_add(ticks, 1, __ATOMIC_RELAXED);
+      continue;
+    }
     torch::Tensor gate_up_out = gate_up(normed).contiguous();
     adapters.add(gate_up_out, normed, w + 2);
     torch::Tensor activated = torch::empty({tokens, gate_up_out.size(1) / 2}, f32.dtype(down.input_dtype()));

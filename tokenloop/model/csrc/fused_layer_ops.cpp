@@ -6,8 +6,8 @@
 //   add_rms_norm   residual += delta (or RMSNorm(delta): a sublayer's output norm, Gemma's post-attention and
 //                  post-feedforward norms); out = RMSNorm(residual), written straight in the next GEMM's dtype
 //   silu_mul       out = silu(gate) * up from the fused gate/up projection's output (gelu_tanh_mul: GeGLU's)
-//   rope_write_kv  RMS-normalize each Q and K head (QK-norm, where given), rotate Q and K, store K and V at
-//                  their cache slots (fp32 or bf16), hand back Q, K, V in fp32
+//   rope_write_kv  RMS-normalize each Q and K head, or all of Q and of K (QK-norm, where given), rotate them,
+//                  store K and V at their cache slots (fp32 or bf16), hand back Q, K, V in fp32
 // Inputs may be float32 or bfloat16 (the packed int4 and bf16 GEMMs' output); sums are float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -77,12 +77,11 @@ void gated_rows(const In* gate_up, Out* out, int64_t rows, int64_t width) {
   });
 }
 
-// One head, RMS-normalized by `norm` where given (QK-norm), then rotated half-split (HF's rotate_half):
-// out[:D/2] = x1 cos - x2 sin, out[D/2:] = x2 cos + x1 sin.
+// One head, scaled by `inv_rms` and `norm` where a norm is given (QK-norm), then rotated half-split (HF's
+// rotate_half): out[:D/2] = x1 cos - x2 sin, out[D/2:] = x2 cos + x1 sin.
 template <typename In>
-inline void norm_rotate(const In* x, const float* norm, float eps, const float* cos, const float* sin, int64_t half,
-                        float* out) {
-  const float inv_rms = norm == nullptr ? 1.f : inverse_rms(x, 2 * half, eps);
+inline void norm_rotate(const In* x, const float* norm, float inv_rms, const float* cos, const float* sin,
+                        int64_t half, float* out) {
   for (int64_t i = 0; i < half; ++i) {
     float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
     if (norm != nullptr) {
@@ -104,9 +103,24 @@ inline void store_row(float* row, int64_t n, BFloat16* cache) {
   }
 }
 
+// `heads` heads of one token, QK-normalized per head (Qwen3: a [D] norm) or over all of them (OLMoE: a norm of
+// [heads * D], `whole`), then rotated.
+template <typename In>
+inline void norm_rotate_heads(const In* x, const float* norm, bool whole, float eps, const float* cos,
+                              const float* sin, int64_t heads, int64_t head_dim, float* out) {
+  const float whole_inv_rms = norm != nullptr && whole ? inverse_rms(x, heads * head_dim, eps) : 1.f;
+  for (int64_t h = 0; h < heads; ++h) {
+    const In* head = x + h * head_dim;
+    const float inv_rms = norm == nullptr ? 1.f : whole ? whole_inv_rms : inverse_rms(head, head_dim, eps);
+    const float* weight = norm == nullptr ? nullptr : norm + (whole ? h * head_dim : 0);
+    norm_rotate(head, weight, inv_rms, cos, sin, head_dim / 2, out + h * head_dim);
+  }
+}
+
 template <typename In, typename KV>
 void rope_write_rows(const In* qkv, const int64_t* positions, const float* cos, const float* sin, const int64_t* slots,
-                     const float* q_norm, const float* k_norm, float eps, KV* key_cache, KV* value_cache,
+                     const float* q_norm, bool q_whole, const float* k_norm, bool k_whole, float eps, KV* key_cache,
+                     KV* value_cache,
                      int64_t num_slots, float* q_out, float* k_out, float* v_out, int64_t tokens, int64_t heads,
                      int64_t kv_heads, int64_t head_dim) {
   const int64_t half = head_dim / 2, width = (heads + 2 * kv_heads) * head_dim, kv_width = kv_heads * head_dim;
@@ -117,14 +131,10 @@ void rope_write_rows(const In* qkv, const int64_t* positions, const float* cos, 
       const float* s = sin + positions[t] * half;
       const int64_t slot = slots[t];
       TORCH_CHECK(slot >= 0 && slot < num_slots, "rope_write_kv: slot ", slot, " outside the cache");
-      for (int64_t h = 0; h < heads; ++h) {
-        norm_rotate(row + h * head_dim, q_norm, eps, c, s, half, q_out + (t * heads + h) * head_dim);
-      }
+      norm_rotate_heads(row, q_norm, q_whole, eps, c, s, heads, head_dim, q_out + t * heads * head_dim);
       float* k = k_out + t * kv_width;
       float* v = v_out + t * kv_width;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        norm_rotate(row + (heads + h) * head_dim, k_norm, eps, c, s, half, k + h * head_dim);
-      }
+      norm_rotate_heads(row + heads * head_dim, k_norm, k_whole, eps, c, s, kv_heads, head_dim, k);
       const In* v_in = row + (heads + kv_heads) * head_dim;
       for (int64_t i = 0; i < kv_width; ++i) v[i] = static_cast<float>(v_in[i]);
       store_row(k, kv_width, key_cache + slot * kv_width);
@@ -200,7 +210,8 @@ void gelu_tanh_mul(const torch::Tensor& gate_up, torch::Tensor& out) {
 }
 
 // qkv [T, (H + 2 KVH) * D] (float32 or bf16); positions, slots [T] int64; cos, sin [P, D/2] float32;
-// q_norm, k_norm [D] float32, or empty tensors (no QK-norm); key_cache, value_cache [num_blocks, block_size, KVH, D],
+// q_norm, k_norm [D] float32 (each head's norm), [H * D] / [KVH * D] (the whole projection's), or empty tensors
+// (no QK-norm); key_cache, value_cache [num_blocks, block_size, KVH, D],
 // both float32 or both bfloat16 (the KV cache's dtype); q_out [T, H, D], k_out/v_out [T, KVH, D] float32 (K and V
 // as cached: rounded to bf16 for a bf16 cache).
 void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
@@ -223,8 +234,11 @@ void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, con
                   v_out.sizes() == k_out.sizes() && key_cache.size(2) == kv_heads && key_cache.size(3) == head_dim &&
                   value_cache.sizes() == key_cache.sizes() && cos.size(1) * 2 == head_dim,
               "rope_write_kv: shape mismatch");
-  const float* qn = optional_weight(q_norm, head_dim, "rope_write_kv: q_norm");
-  const float* kn = optional_weight(k_norm, head_dim, "rope_write_kv: k_norm");
+  // A norm of D values normalizes each head (Qwen3); one of all the heads' values, the whole projection (OLMoE).
+  const bool q_whole = heads > 1 && q_norm.numel() == heads * head_dim;
+  const bool k_whole = kv_heads > 1 && k_norm.numel() == kv_heads * head_dim;
+  const float* qn = optional_weight(q_norm, q_whole ? heads * head_dim : head_dim, "rope_write_kv: q_norm");
+  const float* kn = optional_weight(k_norm, k_whole ? kv_heads * head_dim : head_dim, "rope_write_kv: k_norm");
   const int64_t max_position = cos.size(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
@@ -232,8 +246,8 @@ void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, con
   }
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   auto run = [&](auto* rows, auto* keys, auto* values) {
-    rope_write_rows(rows, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), qn, kn,
-                    static_cast<float>(eps), keys, values, num_slots, q_out.data_ptr<float>(),
+    rope_write_rows(rows, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), slots.data_ptr<int64_t>(), qn, q_whole,
+                    kn, k_whole, static_cast<float>(eps), keys, values, num_slots, q_out.data_ptr<float>(),
                     k_out.data_ptr<float>(), v_out.data_ptr<float>(), tokens, heads, kv_heads, head_dim);
   };
   auto with_cache = [&](auto* rows) {

@@ -13,6 +13,16 @@ from tokenloop.model.layers.norm import LayerNorms
 from tokenloop.model.quantized import PackedLinear
 
 
+@dataclass(frozen=True)
+class DecodeExperts:
+    """An MoE layer's routed experts as the one-call decode loop runs them (csrc/decode_layers.cpp's
+    `LayerExperts`, one csrc/moe_experts.cpp call): `tensors` the router [E, hidden] float32 and the stacked
+    gate/up and down packs' codes and scales; `numbers` top k, renormalize (0 or 1), gate/up form, down form."""
+
+    tensors: list[torch.Tensor]
+    numbers: list[int]
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer's weights, in the forms they run."""
@@ -37,3 +47,8 @@ class LayerWeights:
     def norms(self) -> LayerNorms:
         """The norms by place: `post_attention_norm` is the MLP's input norm in Llama's layer."""
         return LayerNorms(self.input_norm, None, self.post_attention_norm, None, self.q_norm, self.k_norm)
+
+    def decode_experts(self) -> DecodeExperts | None:
+        """The routed experts that replace this layer's MLP, as `decode_layers` runs them; None for a gated MLP,
+        or experts the loop cannot run (MoE families override it)."""
+        return None

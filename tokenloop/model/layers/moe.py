@@ -18,6 +18,7 @@ import torch
 
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.fused_cpu import ProjectionForm, ProjectionPart, decode_projection
+from tokenloop.model.layers.layer_weights import DecodeExperts
 from tokenloop.model.layers.linear import Weight, linear
 from tokenloop.model.layers.mlp import gated_mlp
 from tokenloop.model.quantized import PackedLinear
@@ -89,6 +90,14 @@ class MoEWeights:
     @property
     def num_experts(self) -> int:
         return len(self.gate_up)
+
+    def decode_experts(self) -> DecodeExperts | None:
+        """The block as the one-call decode loop runs it (the native call's arguments), where it runs natively."""
+        if self.native is None:
+            return None
+        gate_up, down = self.native
+        return DecodeExperts([self.router, gate_up.codes, gate_up.scales, down.codes, down.scales],
+                             [self.top_k, int(self.normalize), int(gate_up.form), int(down.form)])
 
     def expert_bytes(self, expert: int) -> int:
         """The bytes expert `expert`'s two projections hold."""

@@ -5,12 +5,11 @@ config says `norm_topk_prob` (Qwen3-30B-A3B does; llama.cpp always does for this
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from tokenloop.config import ModelConfig
-from tokenloop.model.layers.layer_weights import LayerWeights
+from tokenloop.model.layers.layer_weights import DecodeExperts, LayerWeights
 from tokenloop.model.layers.linear import Weight
 from tokenloop.model.layers.mlp import Adapt
 from tokenloop.model.layers.moe import MoEWeights, moe_block
@@ -27,12 +26,14 @@ class MoELayerWeights(LayerWeights):
 
     moe: MoEWeights | None = None
 
+    def decode_experts(self) -> DecodeExperts | None:
+        return None if self.moe is None else self.moe.decode_experts()
+
 
 class Qwen3MoeModel(Qwen3Model):
-    """Qwen3-MoE. Its layer is not the one the fused CPU kernels know, so it runs the op path (the C++ decode
-    attention still serves it); the experts run packed where the GGUF is quantized."""
-
-    fused_layer_ops: ClassVar[bool] = False
+    """Qwen3-MoE. The fused CPU forward runs its layer with the experts' block in place of the MLP, and a pure
+    decode step's layers in one C++ call where the experts are packed for the native block (model/fused_cpu.py);
+    the experts run packed where the GGUF is quantized."""
 
     @classmethod
     def tensor_names(cls, config: ModelConfig) -> list[str]:
