@@ -36,8 +36,8 @@ _SOURCES = [Path(__file__).parent / "csrc" / name
                           "fused_layer_ops.cpp", "decode_layers.cpp", "weight_unpack.cpp",
                           "lora_sgmv.cpp", "int8_gemm.cpp", "moe_experts.cpp")]
 # Hashed with the sources: a change rebuilds.
-_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.h", "kquant_dot_blocks.inc",
-                                                                  "int8_dot_tiles.inc")]
+_HEADERS = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.h", "int8_pack_simd.h",
+                                                                  "kquant_dot_blocks.inc", "int8_dot_tiles.inc")]
 _NAME = "tokenloop_paged_decode_attention"
 _CFLAGS = ["-O3", "-fopenmp", "-ffast-math"]
 _LDFLAGS = ["-fopenmp"]

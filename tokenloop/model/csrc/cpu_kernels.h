@@ -61,12 +61,8 @@ bool int8_gemm_native();
 // int8_dot_tiles.inc (in int8_dot_matmul.cpp): the same kernels in pieces, for a caller that multiplies one set of
 // activations by many packs inside its own parallel region (moe_experts.cpp).
 namespace int8_dot {
-constexpr int64_t kFormInt4Dot = 3, kFormQ8Dot = 4, kFormQ5K = 5, kFormQ6K = 6, kFormQ4K = 7;  // moe_experts.cpp
-void moe_experts(const torch::Tensor& x, const torch::Tensor& router, int64_t top_k, bool normalize,
-                 const torch::Tensor& gate_up_codes, const torch::Tensor& gate_up_scales, int64_t gate_up_form,
-                 const torch::Tensor& down_codes, const torch::Tensor& down_scales, int64_t down_form,
-                 torch::Tensor& out, torch::Tensor& routed_experts, torch::Tensor& routed_weights);
-// decode_layers.cpp's Form numbers
+// decode_layers.cpp's Form numbers, as moe_experts.cpp names the packs' forms
+constexpr int64_t kFormInt4Dot = 3, kFormQ8Dot = 4, kFormQ5K = 5, kFormQ6K = 6, kFormQ4K = 7;
 struct Rows;  // quantized activation rows, with what every pack form reads of them
 struct RowsDeleter {
   void operator()(Rows* rows) const;

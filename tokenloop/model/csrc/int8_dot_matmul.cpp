@@ -19,6 +19,7 @@
 // broadcast from memory. The AVX2 path's arithmetic, and why its int16 steps cannot saturate, is at its
 // blocks (q4_block / q8_block below).
 #include "cpu_kernels.h"
+#include "int8_pack_simd.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -234,35 +235,13 @@ Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_
   return a;
 }
 
-struct Weights {
-  const uint8_t* codes;    // [tiles][groups][kQ4Bytes or kQ8Bytes]
-  const uint16_t* scales;  // fp16 bits, [tiles][groups][2][16] (Q4) or [tiles][groups][16] (Q8_0)
-  int64_t tiles, groups, n;
-};
+using int8_pack::Weights;  // [tiles][groups][kQ4Bytes or kQ8Bytes, or a K-quant's] codes and their fp16 scales
 
 #ifdef TOKENLOOP_VNNI
 
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof(word));
-  return _mm512_set1_epi32(word);
-}
-
-inline __m512 half16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// Writes a register block's sums: the last tile's columns past n are padding.
-template <int R, int T>
-inline void store_block(const __m512 (&acc)[R][T], int64_t n, int64_t row0, int64_t tile0, float* out, int64_t ldo) {
-  const int64_t valid = std::min<int64_t>(kLanes, n - (tile0 + T - 1) * kLanes);
-  const __mmask16 last = valid >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int t = 0; t < T; ++t)
-      _mm512_mask_storeu_ps(out + (row0 + r) * ldo + (tile0 + t) * kLanes, t == T - 1 ? last : 0xFFFF, acc[r][t]);
-}
+using int8_pack::broadcast4;
+using int8_pack::half16;
+using int8_pack::store_block;
 
 // out[R rows from row0][T tiles from tile0] for 4-bit codes.
 template <int R, int T>

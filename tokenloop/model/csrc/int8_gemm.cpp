@@ -12,6 +12,7 @@
 // kernels do. Without AVX512-VNNI this file's kernel refuses (`int8_gemm_native` is false, and the callers
 // keep the decode kernels).
 #include "cpu_kernels.h"
+#include "int8_pack_simd.h"
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -124,23 +125,13 @@ Activations quantize_activations(const float* x, int64_t rows, int64_t k, int64_
   return a;
 }
 
-struct Weights {
-  const uint8_t* codes;    // [tiles][groups][Layout::bytes]
-  const uint16_t* scales;  // fp16 bits: per tile and block (Q4: [2][16], Q8_0: [16]) or super-block (K-quants)
-  int64_t tiles, groups, n;
-};
+using int8_pack::Weights;  // [tiles][groups][Layout::bytes] codes and their fp16 scales
 
 #ifdef TOKENLOOP_GEMM_VNNI
 
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t word;
-  std::memcpy(&word, p, sizeof(word));
-  return _mm512_set1_epi32(word);
-}
-
-inline __m512 half16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using int8_pack::broadcast4;
+using int8_pack::half16;
+using int8_pack::store_block;
 
 // The weights' codes of chunk c of a block for one tile: Q4 / K-quants give the values 4c..4c+3 (`low`) and
 // 16+4c..16+4c+3 (`high`) of each lane, their higher bits added from the planes; Q8_0 chunks 2c and 2c + 1.
@@ -257,13 +248,7 @@ void gemm_block(const Activations& a, const Weights& w, int64_t row0, int64_t ti
       }
     }
   }
-  const int64_t valid = std::min<int64_t>(kLanes, w.n - (tile0 + T - 1) * kLanes);
-  const __mmask16 last = valid >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int t = 0; t < T; ++t)
-      _mm512_mask_storeu_ps(out + (row0 + r) * ldo + (tile0 + t) * kLanes, t == T - 1 ? last : 0xFFFF, acc[r][t]);
+  store_block<R, T>(acc, w.n, row0, tile0, out, ldo);
 }
 
 using BlockFn = void (*)(const Activations&, const Weights&, int64_t, int64_t, float*, int64_t);
