@@ -47,12 +47,14 @@ def tokenloop_kv(model: str, tokens: int) -> None:
     # prefill, without running the forward (minutes for 8k tokens on a loaded 2-core machine).
     core.scheduler.schedule()
     held = total_blocks - core.stats().num_free_blocks
-    per_token_full = per_block / block_size  # every layer keeping every token
+    # A block holds one KV group's layers (config.KVGroup): every layer keeping every token takes a block per
+    # group for each block_size tokens.
+    per_token_full = per_block / block_size * len(cfg.kv_groups())
     full_bytes = per_token_full * tokens
     held_bytes = held * per_block
     sliding = sum(cfg.is_sliding(i) for i in range(cfg.num_layers))
     print(f"tokenloop: {cfg.num_layers} layers ({sliding} sliding, window {cfg.sliding_window}), "
-          f"kv dtype {core.model.kv_dtype}, block {block_size} tokens = {per_block} B over all layers")
+          f"kv dtype {core.model.kv_dtype}, block {block_size} tokens = {per_block} B over one group's layers")
     print(f"tokenloop: one {tokens}-token request holds {held} blocks = {held_bytes / MIB:.1f} MiB; "
           f"full attention on every layer: {full_bytes / MIB:.1f} MiB; ratio {held_bytes / full_bytes:.3f}")
     print(f"tokenloop: default pool {total_blocks} blocks = {total_blocks * per_block / MIB:.0f} MiB fits "
