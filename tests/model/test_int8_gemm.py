@@ -1,6 +1,7 @@
 """The many-row int8 GEMM (csrc/int8_gemm.cpp, model/int8_gemm.py) over the int8-dot packs (Q4, Q8_0, Q4_K, Q5_K, Q6_K):
 against its PyTorch twin and the fp64 product of the packs' exact weights, with one and two activation code sets;
-two code sets give the decode kernels' own values; `PackedLinear` sends many-row calls to it."""
+two code sets give the decode kernels' own values; `PackedLinear` sends many-row calls to it; a many-row LM head runs
+one set and rescores each row's top at two."""
 
 from __future__ import annotations
 
@@ -129,16 +130,41 @@ def test_kernel_refuses_mismatched_operands() -> None:
 
 
 @needs_gemm
-def test_the_lm_head_keeps_two_code_sets() -> None:
-    """Logits at the decode kernels' precision at every row count; the head shares the pack (a tied embedding's)."""
-    q8, dense, _ = make_pack("q8_0", 50, 20, seed=7)
-    linear = PackedLinear(q8, None, 1 << 62)
-    head = LMHead(linear)
-    hidden = activations(int8_gemm.GEMM_MIN_ROWS + 16, dense.shape[1], seed=8)
-    assert isinstance(head.weight, PackedLinear) and head.weight.packed is q8
-    assert torch.equal(head(hidden), q8.matmul(hidden))
-    one_set = PackedLinear(q8, None, 1 << 62, gemm_passes=1)  # a projection may take one set: it differs
-    assert not torch.equal(one_set(hidden), q8.matmul(hidden))
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 600), blocks=st.integers(1, 24), rows=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_the_lm_head_rescores_each_rows_top_at_two_code_sets(n: int, blocks: int, rows: int, seed: int) -> None:
+    """A many-row head runs one code set, then the decode kernels' values of the columns near each row's top: the
+    greedy token and its logit are the decode kernels' bit for bit (a few-row step's), every other logit is one of
+    the two; fewer rows run the decode kernels alone. The head shares the pack (a tied embedding's)."""
+    q8, dense, _ = make_pack("q8_0", n, blocks, seed)
+    head = LMHead(PackedLinear(q8, None, 1 << 62))
+    assert isinstance(head.weight, PackedLinear) and head.weight.packed is q8 and head.rescored is not None
+    x = activations(rows, dense.shape[1], seed)
+    got, two = head(x), q8.matmul(x)
+    if rows < int8_gemm.GEMM_MIN_ROWS:
+        assert torch.equal(got, two)
+        return
+    one = gemm_matmul(q8, x, 1)
+    top = two.argmax(-1, keepdim=True)
+    assert torch.equal(got.gather(1, top), two.gather(1, top)) and torch.equal(got.argmax(-1), two.argmax(-1))
+    assert ((got == one) | (got == two)).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), n=st.integers(1, 700), margin=st.floats(0, 3), seed=st.integers(0, 2**16))
+def test_the_near_top_search_finds_every_column_within_the_margin(rows: int, n: int, margin: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, n, generator=gen).round(decimals=1)  # ties with the floor, too
+    margins = torch.full((rows,), margin)
+    expected = (logits >= (logits.amax(-1) - margins)[:, None]).nonzero(as_tuple=True)
+    got = int8_gemm._near_top(logits, margins)
+    assert sorted(zip(*(t.tolist() for t in got))) == sorted(zip(*(t.tolist() for t in expected)))
+
+
+def test_the_heads_block_norms_are_its_columns_largest() -> None:
+    q8, dense, _ = make_pack("q8_0", 70, 9, seed=5)
+    expected = dense.view(70, 9, 32).square().sum(-1).amax(0)
+    assert torch.allclose(int8_gemm._block_norms(q8), expected, rtol=1e-6)
 
 
 @needs_gemm

@@ -230,9 +230,12 @@ class Q8DotWeight(BlockTiles):
     def rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows `ids` of the untiled matrix: codes [T, K] int8 and scales [T, K / 32] float32."""
         tile, lane = ids // TILE, ids % TILE
+        picked = torch.arange(len(ids))
         blocks = self.codes.shape[1]
-        codes = self.codes.view(-1, blocks, 8, TILE, 4)[tile, :, :, lane, :].reshape(len(ids), -1)
-        return (codes.to(torch.int16) - 128).to(torch.int8), self.scales[tile, :, lane].float()
+        # index_select first: `codes[tile, ..., lane]` walks all of codes (the 262k-row Gemma 3 head: ms a lookup)
+        layout = self.codes.index_select(0, tile).view(len(ids), blocks, 8, TILE, 4)
+        codes = layout[picked, :, :, lane, :].reshape(len(ids), -1)
+        return (codes.to(torch.int16) - 128).to(torch.int8), self.scales.index_select(0, tile)[picked, :, lane].float()
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """The float32 weights [N, K] (or the rows of `rows`, step 1): code x scale, exact."""

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from tokenloop.model.cpu_kernels import paged_decode_kernels
-from tokenloop.model.int8_dot import GROUP_SIZE, Int4DotWeight, Q8DotWeight, quantize_activations
+from tokenloop.model.int8_dot import GROUP_SIZE, TILE, Int4DotWeight, Q8DotWeight, quantize_activations
 from tokenloop.model.kquant_dot import KQuantDotWeight
 
 GemmPack = Int4DotWeight | Q8DotWeight | KQuantDotWeight
@@ -33,8 +33,16 @@ GEMM_MIN_ROWS = 16
 PROJECTION_PASSES = 2
 MLP_PASSES = 1
 # The logits keep two: on Gemma 3 270M's greedy continuations one set's top-1 agreed with the exact product's on
-# 99.5% of rows (94.4% on random-token rows), two on 100% (BENCHMARKS.md, issue 29).
+# 99.5% of rows (94.4% on random-token rows), two on 100% (BENCHMARKS.md, issue 29). A many-row head runs one set
+# and then recomputes at two every logit that could be its row's top (`RescoredLogits`).
 LOGITS_PASSES = 2
+# One code set's rounding error is ~uniform in +-dx / 2 per value, so a logit's error has a standard deviation of at
+# most sigma = sqrt(sum over blocks g of dx_g^2 / 12 * max over columns of the block's sum of w^2). A column is
+# recomputed when its one-set logit is within 2 x RESCORE_SIGMAS sigma of the row's one-set maximum (the top's error
+# and the maximum's, each within RESCORE_SIGMAS sigma). Gemma 3 270M's head over 256 rows of real decoding: the
+# largest error was 3.1 sigma of 67M logits, and ~2 columns a row are recomputed (BENCHMARKS.md, issue 29).
+RESCORE_SIGMAS = 6.0
+_NORM_TILES = 1024  # tiles of 16 columns at a time for the column norms
 
 
 def gemm_kind(pack: object) -> int | None:
@@ -106,3 +114,65 @@ def reference(pack: GemmPack, x: torch.Tensor, passes: int) -> torch.Tensor:
         assert minimum is not None
         return coded @ weights.view(len(codes), -1).t() - quantized.sums @ minimum.t()
     return coded @ pack.dequantize().t()
+
+
+class RescoredLogits:
+    """A many-row LM head: the logits at one activation code set (the GEMM's fast mode), then the decode kernels'
+    two-set values, bit for bit, of every column within reach of its row's top (the tiles holding them, as a small
+    pack). A greedy token is the one a few-row step would pick, the distribution's head is the decode kernels', and
+    the tail keeps one set's error (sigma ~0.04 logit on Gemma 3)."""
+
+    def __init__(self, pack: Q8DotWeight) -> None:
+        self.pack = pack
+        self.block_norms = _block_norms(pack)  # [blocks]: the most any column's block holds of sum w^2
+
+    @staticmethod
+    def of(pack: object) -> RescoredLogits | None:
+        """For a Q8_0 head (Gemma 3's and the default model's); None for other packs (they keep two sets: the
+        K-quants' column norms take seconds to read back)."""
+        return RescoredLogits(pack) if isinstance(pack, Q8DotWeight) else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> logits [M, N] float32."""
+        x = x.float().contiguous()
+        logits = gemm_matmul(self.pack, x, 1)
+        scales = quantize_activations(x, self.pack.codes.shape[1]).scales
+        sigma = (scales.square() @ self.block_norms / 12).sqrt()
+        rows, cols = _near_top(logits, 2 * RESCORE_SIGMAS * sigma)
+        tiles, where = (cols // TILE).unique(return_inverse=True)
+        near = replace(self.pack, codes=self.pack.codes.index_select(0, tiles),
+                       scales=self.pack.scales.index_select(0, tiles), out_features=len(tiles) * TILE)
+        logits[rows, cols] = near.matmul(x)[rows, where * TILE + cols % TILE]
+        return logits
+
+
+_SPAN = 128  # columns a chunk of the search for the near-top columns
+
+
+def _near_top(logits: torch.Tensor, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, columns) of the logits within `margin` [M] of their row's maximum. A compare and `nonzero` over every
+    logit take ~15 ms of one core at 32 x 262k; chunk maxima take one vectorized pass, then only the chunks that
+    reach the floor are searched."""
+    m, n = logits.shape
+    whole = n - n % _SPAN
+    maxima = logits[:, :whole].view(m, -1, _SPAN).amax(-1)
+    if whole < n:
+        maxima = torch.cat([maxima, logits[:, whole:].amax(-1, keepdim=True)], dim=1)
+    floor = maxima.amax(-1) - margin
+    rows, chunks = (maxima >= floor[:, None]).nonzero(as_tuple=True)
+    cols = (chunks[:, None] * _SPAN + torch.arange(_SPAN)).clamp(max=n - 1)
+    hit = logits[rows[:, None], cols] >= floor[rows, None]
+    pairs = torch.unique(torch.stack([rows[:, None].expand_as(cols)[hit], cols[hit]]), dim=1)  # the tail's repeats
+    return pairs[0], pairs[1]
+
+
+def _block_norms(pack: Q8DotWeight) -> torch.Tensor:
+    """[blocks]: per block of 32 inputs, the largest sum of w^2 over the pack's columns, from the tiles as they are
+    (codes + 128 in [tile, block, chunk, lane, byte] order, scales [tile, block, lane]): ~1 s for a 262k-row head."""
+    tiles, blocks, _ = pack.codes.shape
+    norms = torch.zeros(blocks)
+    for start in range(0, tiles, _NORM_TILES):
+        codes = pack.codes[start:start + _NORM_TILES].view(-1, blocks, 8, TILE, 4).to(torch.int16) - 128
+        sums = (codes * codes).sum((2, 4), dtype=torch.int32) * pack.scales[start:start + _NORM_TILES].float().square()
+        norms = torch.maximum(norms, sums.amax(dim=(0, 2)))
+    return norms

@@ -8,7 +8,7 @@ from typing import TypeAlias
 import torch
 import torch.nn.functional as F
 
-from tokenloop.model.int8_gemm import LOGITS_PASSES
+from tokenloop.model.int8_gemm import LOGITS_PASSES, RescoredLogits, takes_gemm
 from tokenloop.model.quantized import PackedLinear, dense_linear, prepack_dense
 
 Weight: TypeAlias = torch.Tensor | PackedLinear  # a projection matrix in whichever form it runs
@@ -46,8 +46,10 @@ class LMHead:
     49k-row head is the single largest GEMM of a decode step."""
 
     def __init__(self, weight: Weight) -> None:
+        self.rescored: RescoredLogits | None = None  # many-row calls: one code set, the top's logits at two
         if isinstance(weight, PackedLinear):  # the same packed matrices, many-row calls at the logits' precision
             weight = replace(weight, gemm_passes=LOGITS_PASSES)
+            self.rescored = RescoredLogits.of(weight.packed) if weight.dense is None else None
         self.weight = weight
         self._packed: torch.Tensor | None = None
         if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
@@ -55,6 +57,8 @@ class LMHead:
             self._packed = packed if packed.is_mkldnn else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.rescored is not None and takes_gemm([self.rescored.pack], hidden.shape[0]):
+            return self.rescored(hidden)
         if self._packed is None:
             return linear(hidden, self.weight)
         return dense_linear(hidden, self._packed)
