@@ -131,20 +131,22 @@ def test_kernel_refuses_mismatched_operands() -> None:
 
 @needs_gemm
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 600), blocks=st.integers(1, 24), rows=st.integers(1, 40), seed=st.integers(0, 2**16))
-def test_the_lm_head_rescores_each_rows_top_at_two_code_sets(n: int, blocks: int, rows: int, seed: int) -> None:
+@given(form=st.sampled_from(["q8_0", "q4_k", "q5_k", "q6_k"]), n=st.integers(1, 600), blocks=st.integers(1, 24),
+       rows=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_the_lm_head_rescores_each_rows_top_at_two_code_sets(form: str, n: int, blocks: int, rows: int,
+                                                             seed: int) -> None:
     """A many-row head runs one code set, then the decode kernels' values of the columns near each row's top: the
     greedy token and its logit are the decode kernels' bit for bit (a few-row step's), every other logit is one of
     the two; fewer rows run the decode kernels alone. The head shares the pack (a tied embedding's)."""
-    q8, dense, _ = make_pack("q8_0", n, blocks, seed)
-    head = LMHead(PackedLinear(q8, None, 1 << 62))
-    assert isinstance(head.weight, PackedLinear) and head.weight.packed is q8 and head.rescored is not None
+    pack, dense, _ = make_pack(form, n, blocks, seed)
+    head = LMHead(PackedLinear(pack, None, 1 << 62))
+    assert isinstance(head.weight, PackedLinear) and head.weight.packed is pack and head.rescored is not None
     x = activations(rows, dense.shape[1], seed)
-    got, two = head(x), q8.matmul(x)
+    got, two = head(x), pack.matmul(x)
     if rows < int8_gemm.GEMM_MIN_ROWS:
         assert torch.equal(got, two)
         return
-    one = gemm_matmul(q8, x, 1)
+    one = gemm_matmul(pack, x, 1)
     top = two.argmax(-1, keepdim=True)
     assert torch.equal(got.gather(1, top), two.gather(1, top)) and torch.equal(got.argmax(-1), two.argmax(-1))
     assert ((got == one) | (got == two)).all()
@@ -161,10 +163,16 @@ def test_the_near_top_search_finds_every_column_within_the_margin(rows: int, n: 
     assert sorted(zip(*(t.tolist() for t in got))) == sorted(zip(*(t.tolist() for t in expected)))
 
 
-def test_the_heads_block_norms_are_its_columns_largest() -> None:
-    q8, dense, _ = make_pack("q8_0", 70, 9, seed=5)
-    expected = dense.view(70, 9, 32).square().sum(-1).amax(0)
-    assert torch.allclose(int8_gemm._block_norms(q8), expected, rtol=1e-6)
+@pytest.mark.parametrize("form", ["q8_0", "q4_k", "q5_k", "q6_k"])
+def test_the_heads_block_norms_bound_its_columns(form: str) -> None:
+    """Q8_0: each block's largest sum of w^2 over the columns, exactly; a K-quant: a bound of it from the scales."""
+    pack, dense, _ = make_pack(form, 70, 9, seed=5)
+    norms = int8_gemm.RescoredLogits(pack).block_norms  # type: ignore[arg-type]
+    expected = dense.view(70, -1, 32).square().sum(-1).amax(0)
+    if form == "q8_0":
+        assert torch.allclose(norms, expected, rtol=1e-6)
+    else:
+        assert (norms >= expected * (1 - 1e-6)).all() and (norms <= expected * 20).all()
 
 
 @needs_gemm

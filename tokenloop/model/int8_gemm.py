@@ -122,15 +122,16 @@ class RescoredLogits:
     pack). A greedy token is the one a few-row step would pick, the distribution's head is the decode kernels', and
     the tail keeps one set's error (sigma ~0.04 logit on Gemma 3)."""
 
-    def __init__(self, pack: Q8DotWeight) -> None:
+    def __init__(self, pack: Q8DotWeight | KQuantDotWeight) -> None:
         self.pack = pack
-        self.block_norms = _block_norms(pack)  # [blocks]: the most any column's block holds of sum w^2
+        # [blocks]: the most any column's block holds of sum w^2 (a K-quant's: a bound from its scales)
+        self.block_norms = _block_norms(pack) if isinstance(pack, Q8DotWeight) else pack.block_square_bounds()
 
     @staticmethod
     def of(pack: object) -> RescoredLogits | None:
-        """For a Q8_0 head (Gemma 3's and the default model's); None for other packs (they keep two sets: the
-        K-quants' column norms take seconds to read back)."""
-        return RescoredLogits(pack) if isinstance(pack, Q8DotWeight) else None
+        """For a Q8_0 or K-quant head (Gemma 3's and the default model's Q8_0; Llama 3.2's and Qwen3's Q6_K); None
+        for a Q4 pack (it keeps two sets)."""
+        return RescoredLogits(pack) if isinstance(pack, Q8DotWeight | KQuantDotWeight) else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> logits [M, N] float32."""

@@ -186,6 +186,21 @@ class KQuantDotWeight(BlockTiles):
         """Embedding rows `ids` as float32 [T, K]: exact."""
         return self.dequantize(ids)
 
+    def block_square_bounds(self) -> torch.Tensor:
+        """[K / 32]: per block of 32 inputs, a bound on any column's sum of w^2 from the scales alone (|q - 32| <= 32
+        for Q6_K; w = d sc q - dmin mn with 0 <= q <= 15 or 31 for Q4_K / Q5_K). Reading the codes back would take
+        seconds for a 128k-row head (`unpack` rebuilds the bit planes in PyTorch)."""
+        tiles, blocks = self.codes.shape[:2]
+        rows = tiles * TILE
+        sub = self.codes[..., -2 * TILE:].view(tiles, blocks, 2, TILE).permute(0, 3, 1, 2).reshape(rows, blocks, 2)
+        supers = self.scales.permute(0, 3, 1, 2).reshape(rows, -1, self.scales.shape[2]).float()
+        scale, minimum = self.block_scales(sub, supers)  # [rows, blocks, halves], [rows, blocks] or None
+        if minimum is None:  # Q6_K: two halves of 16 values
+            return (GROUP_SIZE // 2 * 32.0 ** 2 * scale.square().sum(-1)).amax(0)
+        top = 15 if self.kind == 7 else 31
+        largest = torch.maximum((scale[..., 0] * top - minimum).abs(), minimum.abs())
+        return (GROUP_SIZE * largest.square()).amax(0)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> x @ W.T [M, N] float32."""
         if x.dim() != 2 or x.shape[1] != self.in_features:
