@@ -6,7 +6,8 @@ weights' bytes decide. With many rows the integer multiplies decide, and one cod
 quantizes its activations to Q8) halves them: the GEMM runs at ~1.8-1.9x the decode kernels' FLOP rate per
 core (BENCHMARKS.md, issue 30). `project()` (model/quantized.py) sends calls of at least `GEMM_MIN_ROWS` rows
 here with the pack's `gemm_passes`: 1 for the MLP's projections, 2 (the decode kernels' own sums, the same
-values) where a caller keeps the extra precision.
+values) where a caller keeps the extra precision. A many-row head (`RescoredLogits`) runs one set, then the
+decode kernels' values for the columns near each row's top: its greedy tokens are those of a few-row step.
 
 Every product has a PyTorch twin (`reference`): the same quantized activations, the pack's exact weights.
 """
