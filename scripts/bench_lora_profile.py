@@ -114,6 +114,7 @@ def profile_products(slots: AdapterSlots, rows: int, x_dtype: torch.dtype, out_d
     used = min(rows, slots.max_loras)
     size = slots.a[0]["qkv"].element_size()
     layers = len(slots.a)
+    scales = slots.scales if slots.quantized else [dict.fromkeys(FUSED_PROJECTIONS, torch.empty(0))] * layers
     xs = {kind: torch.randn(rows, slots.a[0][kind].shape[1]).to(x_dtype) for kind in FUSED_PROJECTIONS}
     outs = {kind: torch.zeros(rows, slots.bt[0][kind].shape[1], dtype=out_dtype) for kind in FUSED_PROJECTIONS}
     # Per used slot: A's width rows, and of B^T each part's rank rows over that part's columns only.
@@ -131,7 +132,7 @@ def profile_products(slots: AdapterSlots, rows: int, x_dtype: torch.dtype, out_d
                 for kind in FUSED_PROJECTIONS:
                     call = time.perf_counter()
                     kernel.lora_sgmv(outs[kind], xs[kind], slots.a[layer][kind], slots.bt[layer][kind],
-                                     token_slots, slots.width[kind], slots.part_columns[kind])
+                                     scales[layer][kind], token_slots, slots.width[kind], slots.part_columns[kind])
                     spent[kind] += time.perf_counter() - call
             steps.append((time.perf_counter() - begin) * 1e3)
             cpu.append((time.process_time() - begin_cpu) * 1e3)
@@ -157,6 +158,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--products-only", action="store_true", help="skip the engine's steps (part 1)")
+    parser.add_argument("--slot-dtypes", nargs="*", default=[], choices=["float32", "bfloat16", "int8"],
+                        help="also time the products alone with the adapters in slots of these dtypes")
     args = parser.parse_args()
     config = load_checkpoint(DEFAULT_MODEL).config
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,6 +176,13 @@ def main() -> None:
         print(f"lora_sgmv alone, {args.streams} rows over {args.streams} adapters (A, B in {slots.dtype}; x, out "
               f"in {x_dtype}):")
         profile_products(slots, args.streams, x_dtype, out_dtype, args.repeat)
+        for name in args.slot_dtypes:
+            other = AdapterSlots(config, args.streams, args.rank, getattr(torch, name))
+            for adapter in slots.registered.values():
+                other.register(adapter)
+            other.slots_for(names)
+            print(f"lora_sgmv alone, slots in {other.dtype}:")
+            profile_products(other, args.streams, x_dtype, out_dtype, args.repeat)
         del llm
 
 
