@@ -1,6 +1,7 @@
 """Where 8 streams x 8 adapters lose their time against 8 base streams (issue 32): a profile, one run.
 
     PYTHONPATH=. python -u scripts/bench_lora_profile.py [--streams 8] [--tokens 32] [--rounds 3]
+        [--lora-dtype auto|int8] [--products-only] [--slot-dtypes bfloat16 int8 ...]
 
 1. Steps: base and adapter rounds alternated on one engine (as scripts/bench_lora.py runs them); each step's
    wall time, the forward's, and the Python time spent building the step's adapter arguments
@@ -158,6 +159,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--products-only", action="store_true", help="skip the engine's steps (part 1)")
+    parser.add_argument("--lora-dtype", default="auto", choices=["auto", "int8"], help="the engine's slots")
     parser.add_argument("--slot-dtypes", nargs="*", default=[], choices=["float32", "bfloat16", "int8"],
                         help="also time the products alone with the adapters in slots of these dtypes")
     args = parser.parse_args()
@@ -165,8 +167,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"ad{i}" for i in range(args.streams)]
         dirs = {name: write_adapter(Path(tmp) / name, config, args.rank, i) for i, name in enumerate(names)}
+        options = {} if args.lora_dtype == "auto" else {"lora_dtype": args.lora_dtype}  # trees before the option
         llm = LLM(DEFAULT_MODEL, lora_modules={n: str(d) for n, d in dirs.items()}, max_loras=args.streams,
-                  max_lora_rank=args.rank)
+                  max_lora_rank=args.rank, **options)
         if not args.products_only:
             throughput(llm, [None, names[0]], 4)  # warm both paths
             profile_steps(llm, names, args.tokens, args.rounds)
