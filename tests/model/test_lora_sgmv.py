@@ -186,7 +186,12 @@ def test_int8_slots_only_where_asked_on_a_packed_base() -> None:
     bf16 = DtypeChoice("float32", "bfloat16", "-")
     assert adapter_dtype(packed) == torch.bfloat16 and adapter_dtype(packed, "int8") == torch.int8
     assert adapter_dtype(fp32, "int8") == torch.float32 and adapter_dtype(bf16, "int8") == torch.bfloat16
-    config = build_engine_config(lora_modules={"a": "/x"}, lora_dtype="int8").lora
+    from tokenloop.cli import _engine_options, build_parser
+
+    args = build_parser().parse_args(["serve", "--lora", "a=/x", "--lora-dtype", "int8"])
+    config = build_engine_config(**_engine_options(args)).lora
     assert config is not None and config.lora_dtype == "int8"
+    default = build_engine_config(lora_modules={"a": "/x"}).lora
+    assert default is not None and default.lora_dtype == "auto"
     with pytest.raises(ConfigError, match="lora_dtype"):
         build_engine_config(lora_modules={"a": "/x"}, lora_dtype="fp8")
