@@ -1,6 +1,7 @@
 """LoRA serving cost on the default model, side by side in one run (issue 32, performance).
 
     PYTHONPATH=. python scripts/bench_lora.py [--streams 8] [--tokens 64] [--rounds 2] [--many 32] [--max-loras 8]
+        [--lora-dtype auto|int8]
 
 1. Load time of one rank-16 adapter (PEFT directory, all seven projections): median of 5 loads (reading and
    checking it), and of copying it into a slot (over the previous adapter there).
@@ -70,34 +71,41 @@ def main() -> None:
     parser.add_argument("--many", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-loras", type=int, default=8, help="slots in the --many run")
+    parser.add_argument("--lora-dtype", default="auto", choices=["auto", "int8"], help="the adapters' slots")
     args = parser.parse_args()
+    options = {} if args.lora_dtype == "auto" else {"lora_dtype": args.lora_dtype}  # trees before the option
     config = load_checkpoint(DEFAULT_MODEL).config
     with tempfile.TemporaryDirectory() as tmp:
         count = max(args.streams, args.many)
         dirs = {f"ad{i}": write_adapter(Path(tmp) / f"ad{i}", config, args.rank, i) for i in range(count)}
-        loads, copies = [], []
-        slots = AdapterSlots(config, 1, args.rank, torch.bfloat16)
+        loads, copies, registers = [], [], []
+        slots = AdapterSlots(config, 1, args.rank, torch.int8 if args.lora_dtype == "int8" else torch.bfloat16)
         for index in range(5):
             adapter = load_adapter(f"x{index}", dirs["ad0"], config, args.rank, torch.bfloat16)
             loads.append(adapter.load_s * 1e3)
-            slots.register(adapter)
+            begin = time.perf_counter()
+            slots.register(adapter)  # int8 slots quantize the adapter here, once
+            registers.append((time.perf_counter() - begin) * 1e3)
             begin = time.perf_counter()
             slots.slots_for([adapter.name])  # into the one slot, over the previous adapter
             copies.append((time.perf_counter() - begin) * 1e3)
         print(f"load one rank-{args.rank} adapter: median {statistics.median(loads):.1f} ms "
               f"(runs: {', '.join(f'{v:.1f}' for v in loads)}); into a slot: median "
-              f"{statistics.median(copies):.1f} ms (runs: {', '.join(f'{v:.1f}' for v in copies)})")
+              f"{statistics.median(copies):.1f} ms (runs: {', '.join(f'{v:.1f}' for v in copies)}); registering "
+              f"it with the slots ({slots.dtype}): median {statistics.median(registers):.1f} ms")
 
         if args.rounds:
-            streams_against_base(dirs, args.streams, args.rank, args.tokens, args.rounds)
+            streams_against_base(dirs, args.streams, args.rank, args.tokens, args.rounds, options)
         if args.many:
-            swaps(dirs, args.many, args.max_loras, args.rank, args.tokens)
+            swaps(dirs, args.many, args.max_loras, args.rank, args.tokens, options)
 
 
-def streams_against_base(dirs: dict[str, Path], streams: int, rank: int, tokens: int, rounds: int) -> None:
+def streams_against_base(dirs: dict[str, Path], streams: int, rank: int, tokens: int, rounds: int,
+                         options: dict[str, str]) -> None:
     """`streams` streams, each with its own adapter, against as many base streams, alternated on one engine."""
     names = [f"ad{i}" for i in range(streams)]
-    llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in names}, max_loras=streams, max_lora_rank=rank)
+    llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in names}, max_loras=streams, max_lora_rank=rank,
+              **options)
     throughput(llm, [None, names[0]], 4)  # warm both paths
     print(f"{streams} streams x {tokens} tokens, output tok/s (prefill included):")
     ratios, cpu_ratios = [], []
@@ -111,12 +119,12 @@ def streams_against_base(dirs: dict[str, Path], streams: int, rank: int, tokens:
     print(f"  median ratio {statistics.median(ratios):.2f}x (per CPU second {statistics.median(cpu_ratios):.2f}x)")
 
 
-def swaps(dirs: dict[str, Path], many: int, max_loras: int, rank: int, tokens: int) -> None:
+def swaps(dirs: dict[str, Path], many: int, max_loras: int, rank: int, tokens: int, options: dict[str, str]) -> None:
     """`many` streams over `many` adapters with `max_loras` slots, against `many` base streams and `many`
     streams over `max_loras` adapters (resident, no swap): tok/s, and what the swaps cost."""
     names = [f"ad{i}" for i in range(many)]
     llm = LLM(DEFAULT_MODEL, lora_modules={n: str(dirs[n]) for n in names}, max_loras=max_loras,
-              max_lora_rank=rank, max_num_seqs=many)
+              max_lora_rank=rank, max_num_seqs=many, **options)
     throughput(llm, [None, names[0]], 4)
     slots = llm.engine.core.adapters.slots
     base = throughput(llm, [None] * many, tokens)[0]

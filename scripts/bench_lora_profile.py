@@ -1,6 +1,7 @@
 """Where 8 streams x 8 adapters lose their time against 8 base streams (issue 32): a profile, one run.
 
     PYTHONPATH=. python -u scripts/bench_lora_profile.py [--streams 8] [--tokens 32] [--rounds 3]
+        [--lora-dtype auto|int8] [--products-only] [--slot-dtypes bfloat16 int8 ...]
 
 1. Steps: base and adapter rounds alternated on one engine (as scripts/bench_lora.py runs them); each step's
    wall time, the forward's, and the Python time spent building the step's adapter arguments
@@ -114,6 +115,7 @@ def profile_products(slots: AdapterSlots, rows: int, x_dtype: torch.dtype, out_d
     used = min(rows, slots.max_loras)
     size = slots.a[0]["qkv"].element_size()
     layers = len(slots.a)
+    scales = slots.scales if slots.quantized else [dict.fromkeys(FUSED_PROJECTIONS, torch.empty(0))] * layers
     xs = {kind: torch.randn(rows, slots.a[0][kind].shape[1]).to(x_dtype) for kind in FUSED_PROJECTIONS}
     outs = {kind: torch.zeros(rows, slots.bt[0][kind].shape[1], dtype=out_dtype) for kind in FUSED_PROJECTIONS}
     # Per used slot: A's width rows, and of B^T each part's rank rows over that part's columns only.
@@ -131,7 +133,7 @@ def profile_products(slots: AdapterSlots, rows: int, x_dtype: torch.dtype, out_d
                 for kind in FUSED_PROJECTIONS:
                     call = time.perf_counter()
                     kernel.lora_sgmv(outs[kind], xs[kind], slots.a[layer][kind], slots.bt[layer][kind],
-                                     token_slots, slots.width[kind], slots.part_columns[kind])
+                                     scales[layer][kind], token_slots, slots.width[kind], slots.part_columns[kind])
                     spent[kind] += time.perf_counter() - call
             steps.append((time.perf_counter() - begin) * 1e3)
             cpu.append((time.process_time() - begin_cpu) * 1e3)
@@ -157,13 +159,17 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--products-only", action="store_true", help="skip the engine's steps (part 1)")
+    parser.add_argument("--lora-dtype", default="auto", choices=["auto", "int8"], help="the engine's slots")
+    parser.add_argument("--slot-dtypes", nargs="*", default=[], choices=["float32", "bfloat16", "int8"],
+                        help="also time the products alone with the adapters in slots of these dtypes")
     args = parser.parse_args()
     config = load_checkpoint(DEFAULT_MODEL).config
     with tempfile.TemporaryDirectory() as tmp:
         names = [f"ad{i}" for i in range(args.streams)]
         dirs = {name: write_adapter(Path(tmp) / name, config, args.rank, i) for i, name in enumerate(names)}
+        options = {} if args.lora_dtype == "auto" else {"lora_dtype": args.lora_dtype}  # trees before the option
         llm = LLM(DEFAULT_MODEL, lora_modules={n: str(d) for n, d in dirs.items()}, max_loras=args.streams,
-                  max_lora_rank=args.rank)
+                  max_lora_rank=args.rank, **options)
         if not args.products_only:
             throughput(llm, [None, names[0]], 4)  # warm both paths
             profile_steps(llm, names, args.tokens, args.rounds)
@@ -173,6 +179,13 @@ def main() -> None:
         print(f"lora_sgmv alone, {args.streams} rows over {args.streams} adapters (A, B in {slots.dtype}; x, out "
               f"in {x_dtype}):")
         profile_products(slots, args.streams, x_dtype, out_dtype, args.repeat)
+        for name in args.slot_dtypes:
+            other = AdapterSlots(config, args.streams, args.rank, getattr(torch, name))
+            for adapter in slots.registered.values():
+                other.register(adapter)
+            other.slots_for(names)
+            print(f"lora_sgmv alone, slots in {other.dtype}:")
+            profile_products(other, args.streams, x_dtype, out_dtype, args.repeat)
         del llm
 
 

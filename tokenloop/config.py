@@ -260,8 +260,13 @@ class LoRAConfig:
     max_lora_rank: int = 16  # every adapter is padded to this rank; a higher rank is refused at load
     # Loading and unloading at run time (POST /v1/load_lora_adapter): from under this directory; None: off.
     lora_dir: str | None = None
+    # The resident adapters' A and B: "auto" (the projections' dense dtype: bf16 for a packed base, fp32 for an
+    # fp32 model), or "int8" (row scales; a packed base only, else auto): half bf16's bytes a decode step reads,
+    # greedy tokens parting from bf16's at near ties (BENCHMARKS.md, "LoRA 8x8 (issue 32; branch lora4)").
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.lora_dtype in ("auto", "int8"), f"lora_dtype must be auto or int8, got {self.lora_dtype!r}")
         _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
         _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         names = [name for name, _ in self.adapters]
@@ -347,7 +352,7 @@ _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)} - {"cache", "scheduler", "model"}
 _ALIASES = {"num_kv_blocks": "num_blocks", "num_gpu_blocks_override": "num_blocks",
             "speculative_config": "speculative"}
-_LORA_FIELDS = {"enable_lora", "max_loras", "max_lora_rank", "lora_modules", "lora_dir"}
+_LORA_FIELDS = {"enable_lora", "max_loras", "max_lora_rank", "lora_modules", "lora_dir", "lora_dtype"}
 
 
 def build_engine_config(model: str = DEFAULT_MODEL, **kwargs: Any) -> EngineConfig:

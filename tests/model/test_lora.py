@@ -89,14 +89,20 @@ def test_fused_cpu_path_equals_op_path(tiny_dir: Path, adapter_dirs: dict[str, P
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("weight_dtype", "slots"), [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                                      ("float32", "int8")])
 def test_decode_steps_with_adapters_run_in_the_one_call_loop(tiny_dir: Path, adapter_dirs: dict[str, Path],
-                                                              monkeypatch: pytest.MonkeyPatch, weight_dtype: str
-                                                              ) -> None:
+                                                              monkeypatch: pytest.MonkeyPatch, weight_dtype: str,
+                                                              slots: str) -> None:
     """A pure decode step with adapter rows runs every layer in one C++ call (`decode_layers`, the products
     added inside it) and gives the per-layer path's tokens and logprobs, bit for bit (rows of the base model in
-    the same step keep their own): fp32, and bf16 weights and adapters (bf16 projection outputs)."""
+    the same step keep their own): fp32, bf16 weights and adapters (bf16 projection outputs), and int8 slots
+    with their row scales (`--lora-dtype int8` on a packed base; set here on the tiny fp32 model)."""
+    from tokenloop.core import engine_core
     from tokenloop.model import fused_cpu
+
+    if slots == "int8":
+        monkeypatch.setattr(engine_core, "adapter_dtype", lambda choice, requested: torch.int8)
 
     names = ["a", None, "b", "c", "a"]
     prompts = _prompts(5, seed=19)
@@ -116,7 +122,7 @@ def test_decode_steps_with_adapters_run_in_the_one_call_loop(tiny_dir: Path, ada
         llm = _llm(tiny_dir, adapter_dirs, max_loras=3, weight_dtype=weight_dtype)
         if not llm.engine.model.fused_decode:
             pytest.skip("the C++ decode loop is not built here")
-        assert llm.engine.core.adapters.slots.dtype == getattr(torch, weight_dtype)
+        assert llm.engine.core.adapters.slots.dtype == getattr(torch, slots)
         llm.engine.model.fused_decode = one_call_loop
         outputs = llm.generate(prompts, params, lora_request=requests, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])

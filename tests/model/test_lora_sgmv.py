@@ -1,6 +1,6 @@
 """The native LoRA products (csrc/lora_sgmv.cpp) and their PyTorch twin (LoRABatch.add_reference_), each against
 the exact sum in float64 within the rounding it does: any shapes, ranks, adapters per slot and grouping of a
-step's rows by adapter, in float32 and bfloat16."""
+step's rows by adapter, in float32, bfloat16 and int8 slots (codes times row scales)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenloop.config import ModelConfig
 from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.lora import FUSED_PROJECTIONS, LoRAAdapter, projection_shapes
-from tokenloop.model.lora_slots import AdapterSlots, LoRABatch
+from tokenloop.model.lora_slots import AdapterSlots, LoRABatch, quantize_rows
 
 KERNELS = paged_decode_kernels()
 needs_kernel = pytest.mark.skipif(KERNELS is None or not hasattr(KERNELS, "lora_sgmv"),
@@ -45,6 +45,8 @@ def _exact(batch: LoRABatch, base: torch.Tensor, x: torch.Tensor, layer: int, ki
         if slot < 0:
             continue
         a = batch.slots.a[layer][kind][slot * width:(slot + 1) * width].double()
+        if batch.slots.quantized:  # int8 codes: row j's scale (A's times B^T's) applies to shrunk value j
+            a *= batch.slots.scales[layer][kind][slot * width:(slot + 1) * width].double()[:, None]
         folded = batch.slots.bt[layer][kind][slot * rank:(slot + 1) * rank].double()
         bt = torch.zeros(width, folded.shape[1], dtype=torch.float64)  # B^T block-diagonal, unfolded
         for part, (first, end) in enumerate(zip(columns, columns[1:])):
@@ -60,7 +62,7 @@ def _exact(batch: LoRABatch, base: torch.Tensor, x: torch.Tensor, layer: int, ki
 @given(data=st.data(), hidden=st.sampled_from([8, 32, 40]), heads=st.sampled_from([1, 2, 4]),
        head_dim=st.sampled_from([4, 8, 16]), inter=st.sampled_from([8, 24, 300]),
        max_rank=st.integers(1, 16), max_loras=st.integers(1, 5), tokens=st.integers(1, 19),
-       weights=st.sampled_from([torch.float32, torch.bfloat16]),
+       weights=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]),
        activations=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_kernel_equals_pytorch_path(data: st.DataObject, hidden: int, heads: int, head_dim: int, inter: int,
                                     max_rank: int, max_loras: int, tokens: int, weights: torch.dtype,
@@ -73,7 +75,8 @@ def test_kernel_equals_pytorch_path(data: st.DataObject, hidden: int, heads: int
     for index in range(data.draw(st.integers(1, max_loras), label="adapters")):
         rank = data.draw(st.integers(1, max_rank), label="rank")
         targets = data.draw(st.lists(st.sampled_from(MODULES), min_size=1, unique=True), label="targets")
-        slots.register(_adapter(f"ad{index}", config, rank, targets, weights, gen))
+        host = torch.float32 if weights == torch.int8 else weights  # int8 slots quantize at the copy
+        slots.register(_adapter(f"ad{index}", config, rank, targets, host, gen))
         names.append(f"ad{index}")
     slot_of = slots.slots_for(names)
     # Each token: the base model (-1) or one of the adapters, in any order (rows of one adapter need not touch).
@@ -98,7 +101,7 @@ def test_kernel_equals_pytorch_path(data: st.DataObject, hidden: int, heads: int
             out_rounding = 2**-8 if activations == torch.bfloat16 else 0.0
             assert torch.all((native.double() - exact).abs() <= 1e-5 * magnitude + out_rounding * exact.abs()
                              + 1e-6), (layer, kind)
-            terms_rounding = 2**-6 if weights == torch.bfloat16 else 1e-5
+            terms_rounding = 2**-6 if weights == torch.bfloat16 else 1e-5  # int8: float32 sums of exact codes
             assert torch.all((reference.double() - exact).abs() <= terms_rounding * magnitude + 1e-6), (layer, kind)
             untouched = torch.tensor([c < 0 for c in choice])
             assert torch.equal(native[untouched], base[untouched])
@@ -110,7 +113,40 @@ def test_kernel_refuses_bad_slots() -> None:
     slots = AdapterSlots(config, 2, 4, kernel=KERNELS)
     with pytest.raises(RuntimeError, match="not a slot"):
         KERNELS.lora_sgmv(torch.zeros(1, 16), torch.zeros(1, 8), slots.a[0]["qkv"], slots.bt[0]["qkv"],
-                          torch.tensor([2]), slots.width["qkv"], slots.part_columns["qkv"])
+                          torch.empty(0), torch.tensor([2]), slots.width["qkv"], slots.part_columns["qkv"])
+    int8 = AdapterSlots(config, 2, 4, torch.int8, kernel=KERNELS)
+    with pytest.raises(RuntimeError, match="need scales"):
+        KERNELS.lora_sgmv(torch.zeros(1, 16), torch.zeros(1, 8), int8.a[0]["qkv"], int8.bt[0]["qkv"],
+                          torch.empty(0), torch.tensor([0]), int8.width["qkv"], int8.part_columns["qkv"])
+
+
+def test_int8_rows_round_each_value_to_its_rows_step() -> None:
+    rows = torch.tensor([1e-3, 1, 50, 0, 2, 7])[:, None]
+    values = torch.randn(6, 70, generator=torch.Generator().manual_seed(2)) * rows
+    codes, scales = quantize_rows(values)
+    assert codes.dtype == torch.int8 and codes.abs().max() <= 127
+    assert torch.equal(scales, values.abs().amax(dim=1) / 127) and scales[3] == 0 and not codes[3].any()
+    assert torch.all((codes.float() * scales[:, None] - values).abs() <= scales[:, None] / 2 * (1 + 1e-6))
+
+
+def test_int8_slots_products_stay_near_the_bf16_slots() -> None:
+    """int8 slots (a packed base's) against bf16 ones from the same adapter: each product within a small
+    share of its terms' magnitude (each A and B^T row rounds to 1/254 of its largest value)."""
+    config = _config(64, 4, 2, 16, 96)
+    gen = torch.Generator().manual_seed(7)
+    adapter = _adapter("ad", config, 8, MODULES, torch.bfloat16, gen)
+    results = []
+    for dtype in (torch.bfloat16, torch.int8):
+        slots = AdapterSlots(config, 2, 8, dtype, kernel=KERNELS if KERNELS is not None else None)
+        slots.register(adapter)
+        slot = slots.slots_for(["ad"])["ad"]
+        batch = slots.batch(np.array([slot, -1, slot]))
+        assert batch is not None
+        x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+        results.append(batch.add_(torch.zeros(3, slots.bt[0]["qkv"].shape[1]), x, 1, "qkv"))
+    bf16, int8 = results
+    assert torch.equal(int8[1], torch.zeros_like(int8[1]))
+    assert (int8 - bf16).abs().max() <= 0.02 * bf16.abs().max()
 
 
 def test_a_reused_slot_holds_only_its_new_adapter() -> None:
@@ -138,3 +174,24 @@ def test_adapter_bf16_rounding_equals_torch() -> None:
     values = torch.randn(64, 33, generator=torch.Generator().manual_seed(5)) * 100
     values[0, :5] = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -1.0 - 2**-8, 3e38, -0.0])
     assert torch.equal(_to_dtype(values.numpy().copy(), torch.bfloat16), values.to(torch.bfloat16))
+
+
+def test_int8_slots_only_where_asked_on_a_packed_base() -> None:
+    from tokenloop.config import build_engine_config
+    from tokenloop.core.adapters import adapter_dtype
+    from tokenloop.errors import ConfigError
+    from tokenloop.model.dtypes import DtypeChoice
+
+    packed, fp32 = DtypeChoice("float32", "quantized", "-"), DtypeChoice("float32", "float32", "-")
+    bf16 = DtypeChoice("float32", "bfloat16", "-")
+    assert adapter_dtype(packed) == torch.bfloat16 and adapter_dtype(packed, "int8") == torch.int8
+    assert adapter_dtype(fp32, "int8") == torch.float32 and adapter_dtype(bf16, "int8") == torch.bfloat16
+    from tokenloop.cli import _engine_options, build_parser
+
+    args = build_parser().parse_args(["serve", "--lora", "a=/x", "--lora-dtype", "int8"])
+    config = build_engine_config(**_engine_options(args)).lora
+    assert config is not None and config.lora_dtype == "int8"
+    default = build_engine_config(lora_modules={"a": "/x"}).lora
+    assert default is not None and default.lora_dtype == "auto"
+    with pytest.raises(ConfigError, match="lora_dtype"):
+        build_engine_config(lora_modules={"a": "/x"}, lora_dtype="fp8")

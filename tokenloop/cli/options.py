@@ -95,6 +95,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                       help="adapters resident at once; a step runs at most this many (least recently used "
                            "swapped out; default 4)")
     lora.add_argument("--max-lora-rank", type=positive_int, help="highest adapter rank served (default 16)")
+    lora.add_argument("--lora-dtype", choices=["auto", "int8"],
+                      help="resident adapters: auto (bf16 on a packed base) or int8 with row scales (a packed "
+                           "base only: half the bytes a decode step reads; tokens may part at near ties)")
     lora.add_argument("--lora-dir", help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter, for "
                                          "adapters under this directory (default: off)")
     spec = parser.add_argument_group("speculative decoding (n-gram prompt lookup; greedy requests only)")
@@ -129,7 +132,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     if speculative is not None:
         options["speculative"] = speculative
     flags = (("lora", "lora_modules"), ("max_loras", "max_loras"), ("max_lora_rank", "max_lora_rank"),
-             ("lora_dir", "lora_dir"))
+             ("lora_dir", "lora_dir"), ("lora_dtype", "lora_dtype"))
     lora = {key: getattr(args, name, None) for name, key in flags}
     lora = {key: value for key, value in lora.items() if value is not None}
     if lora or getattr(args, "enable_lora", False):

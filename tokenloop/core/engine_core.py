@@ -97,7 +97,7 @@ class EngineCore:
         num_blocks = self._make_kv_cache(config, kv_bytes_per_block)
         proposer = NgramProposer(config.speculative) if config.speculative is not None else None
         self.adapters = None if config.lora is None or self.model is None else AdapterStage(
-            config.lora, self.model, adapter_dtype(self.dtype_choice))
+            config.lora, self.model, adapter_dtype(self.dtype_choice, config.lora.lora_dtype))
         max_loras = config.lora.max_loras if config.lora is not None and self.adapters is not None else 0
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len, clock,
                                    proposer=proposer, max_loras=max_loras)

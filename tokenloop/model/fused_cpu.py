@@ -73,9 +73,9 @@ class DecodePlan:
 _NO_SCALES = torch.empty(0)  # marks a dense matrix in DecodePlan.scales
 _NO_NORM = torch.empty(0)  # marks a place without a norm for the kernels
 _NO_EXPERTS = DecodeExperts([_NO_NORM] * 5, [0] * 4)  # a layer with its gated MLP, in `decode_layers`' experts
-# `decode_layers`' adapter arguments for a step without adapter rows (A, B^T, token slots, widths, parts).
-_NO_ADAPTERS: tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[int], list[list[int]]] = (
-    [], [], torch.empty(0, dtype=torch.long), [], [])
+# `decode_layers`' adapter arguments for a step without adapter rows (A, B^T, scales, token slots, widths, parts).
+_NO_ADAPTERS: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[int],
+                    list[list[int]]] = ([], [], [], torch.empty(0, dtype=torch.long), [], [])
 
 
 def _no_adapter(out: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -11,6 +11,9 @@ adapters its rows use (the gather done by a mask): x @ A_used.T, masked to each 
 per part its rank columns @ B_used's part, added to the base projection's output. Only the range of slots the
 step uses is read.
 Rows of the base model get no product; a step with no adapter row gets no batch at all and runs as before.
+Slots of dtype int8 (for a packed base, core/adapters.py) hold A and the folded B^T as int8, each row over its
+own maximum, and per slot row one float32 scale (A's row scale times B^T's in that part) that multiplies the
+shrunk value: half the bytes bf16 slots stream a decode step.
 """
 
 from __future__ import annotations
@@ -29,6 +32,39 @@ from tokenloop.model.cpu_kernels import paged_decode_kernels
 from tokenloop.model.lora import FUSED_PROJECTIONS, LoRAAdapter, projection_shapes
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what csrc/lora_sgmv.cpp reads and writes
+_SLOT_DTYPES = (*_KERNEL_DTYPES, torch.int8)  # int8 A and B^T come with their row scales
+_NO_SCALES = torch.empty(0)  # what lora_sgmv takes for float A and B^T
+
+
+def quantize_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of `values` [R, C] as int8 codes over its own maximum: (codes [R, C] int8, scales [R] float32),
+    values ~ codes * scales[:, None]; an all-zero row gets scale 0."""
+    values = values.float()
+    scales = values.abs().amax(dim=1) / 127.0
+    codes = torch.round(values / torch.where(scales > 0, scales, 1.0)[:, None]).clamp_(-127, 127)
+    return codes.to(torch.int8), scales
+
+
+# (layer, module) -> (A's codes [rank, in], B^T's codes [rank, out], A's row scales times B^T's [rank])
+QuantizedAdapter = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def quantize_adapter(adapter: LoRAAdapter) -> QuantizedAdapter:
+    """Every A and B^T of `adapter` quantized by rows (`quantize_rows`), in one call per row width (a few
+    calls, not two per projection: a slot load stays a copy)."""
+    keys = [(index, module) for index, modules in enumerate(adapter.layers) for module in modules]
+    a_parts = {key: adapter.layers[key[0]][key[1]][0] for key in keys}
+    bt_parts = {key: adapter.layers[key[0]][key[1]][1].T for key in keys}
+    quantized: dict[str, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
+    for label, parts in (("a", a_parts), ("bt", bt_parts)):
+        quantized[label] = {}
+        for width in sorted({t.shape[1] for t in parts.values()}):
+            group = [key for key in keys if parts[key].shape[1] == width]
+            codes, scales = quantize_rows(torch.cat([parts[key] for key in group]))
+            for key, key_codes, key_scales in zip(group, codes.split(adapter.rank), scales.split(adapter.rank)):
+                quantized[label][key] = (key_codes, key_scales)
+    return {key: (quantized["a"][key][0], quantized["bt"][key][0], quantized["a"][key][1] * quantized["bt"][key][1])
+            for key in keys}
 
 
 class AdapterSlots:
@@ -38,7 +74,10 @@ class AdapterSlots:
 
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", kernel: ModuleType | None | bool = True) -> None:
+        if dtype not in _SLOT_DTYPES:
+            raise ValueError(f"adapter slots hold float32, bfloat16 or int8, not {dtype}")
         self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
+        self.quantized = dtype == torch.int8
         shapes = projection_shapes(config)
         self.out_features = {module: out for module, (out, _) in shapes.items()}
         self.width = {kind: len(modules) * max_rank for kind, modules in FUSED_PROJECTIONS.items()}
@@ -51,19 +90,24 @@ class AdapterSlots:
             hasattr(kernel, "lora_sgmv") else None
         self.a: list[dict[str, torch.Tensor]] = []
         self.bt: list[dict[str, torch.Tensor]] = []
+        self.scales: list[dict[str, torch.Tensor]] = []  # int8 slots: per slot row, A's scale times B^T's
         for _ in range(config.num_layers):
-            a, bt = {}, {}
+            a, bt, scales = {}, {}, {}
             for kind, modules in FUSED_PROJECTIONS.items():
                 a[kind] = torch.zeros(max_loras * self.width[kind], shapes[modules[0]][1], dtype=dtype,
                                       device=device)
                 bt[kind] = torch.zeros(max_loras * max_rank, sum(shapes[m][0] for m in modules), dtype=dtype,
                                        device=device)
+                scales[kind] = torch.zeros(max_loras * self.width[kind] if self.quantized else 0, device=device)
             self.a.append(a)
             self.bt.append(bt)
+            self.scales.append(scales)
         # The same tensors flat, per layer per kind, as `decode_layers` takes them (slot loads write in place).
         self.flat_a = [a[kind] for a in self.a for kind in FUSED_PROJECTIONS]
         self.flat_bt = [bt[kind] for bt in self.bt for kind in FUSED_PROJECTIONS]
+        self.flat_scales = [s[kind] for s in self.scales for kind in FUSED_PROJECTIONS] if self.quantized else []
         self.registered: dict[str, LoRAAdapter] = {}
+        self._codes: dict[str, QuantizedAdapter] = {}  # int8 slots: each registered adapter quantized once
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # resident adapter -> its slot, oldest use first
         self.num_loads = 0
         self.num_evictions = 0
@@ -77,11 +121,14 @@ class AdapterSlots:
     def register(self, adapter: LoRAAdapter) -> None:
         """Serve `adapter` under its name (replacing one of that name: its slot is reloaded on next use)."""
         self.unregister(adapter.name)
+        if self.quantized:
+            self._codes[adapter.name] = quantize_adapter(adapter)
         self.registered[adapter.name] = adapter
 
     def unregister(self, name: str) -> bool:
         """Stop serving `name`; returns whether it was registered."""
         self._slot_of.pop(name, None)
+        self._codes.pop(name, None)
         return self.registered.pop(name, None) is not None
 
     def slots_for(self, names: Iterable[str]) -> dict[str, int]:
@@ -116,22 +163,30 @@ class AdapterSlots:
         what is not written here is cleared."""
         begin = time.perf_counter()
         rank, max_rank = adapter.rank, self.max_rank
+        codes = self._codes.get(adapter.name, {})
         for index, modules in enumerate(adapter.layers):
             for kind, parts in FUSED_PROJECTIONS.items():
                 width = self.width[kind]
-                a, bt = self.a[index][kind], self.bt[index][kind]
+                a, bt, scales = self.a[index][kind], self.bt[index][kind], self.scales[index][kind]
                 column = 0
                 for part, module in enumerate(parts):
                     out_features = self.out_features[module]
                     pair = modules.get(module)
                     first, b_first = slot * width + part * max_rank, slot * max_rank
                     filled = 0 if pair is None else rank
-                    if pair is not None:
+                    if pair is not None and self.quantized:
+                        a_codes, bt_codes, row_scales = codes[index, module]
+                        a[first:first + rank].copy_(a_codes)
+                        bt[b_first:b_first + rank, column:column + out_features].copy_(bt_codes)
+                        scales[first:first + rank].copy_(row_scales)
+                    elif pair is not None:
                         a[first:first + rank].copy_(pair[0])
                         bt[b_first:b_first + rank, column:column + out_features].copy_(pair[1].T)
                     if filled < max_rank:  # what the slot's previous adapter left there
                         a[first + filled:first + max_rank].zero_()
                         bt[b_first + filled:b_first + max_rank, column:column + out_features].zero_()
+                        if self.quantized:
+                            scales[first + filled:first + max_rank].zero_()
                     column += out_features
         self._slot_of[adapter.name] = slot
         self.num_loads += 1
@@ -169,29 +224,37 @@ class LoRABatch:
                 rows = np.flatnonzero(self._adapted)
                 onehot[rows, slots[rows] - self.lo] = 1.0
                 device = self.slots.a[0]["qkv"].device if self.slots.a else "cpu"
-                self._onehot = torch.from_numpy(onehot).to(device=device, dtype=self.slots.dtype)
+                self._onehot = torch.from_numpy(onehot).to(device=device, dtype=self.compute_dtype)
             mask = self._masks[width] = self._onehot.repeat_interleave(width, dim=1)
         return mask
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The PyTorch path's dtype: the slots', or float32 for int8 slots (their codes times the scales)."""
+        return torch.float32 if self.slots.quantized else self.slots.dtype
+
+    @property
     def native(self) -> bool:
         """Whether the native kernel runs this step's products (so `decode_layers` can add them in its loop)."""
-        return self.kernel is not None and self.slots.dtype in _KERNEL_DTYPES
+        return self.kernel is not None and self.slots.dtype in _SLOT_DTYPES
 
-    def decode_arguments(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, list[int],
-                                        list[list[int]]]:
+    def decode_arguments(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], torch.Tensor,
+                                        list[int], list[list[int]]]:
         """The adapter arguments of `decode_layers` (csrc/decode_layers.cpp's `StepAdapters`): per projection
-        the stacked A and B^T, the token slots, per kind the width and the parts' column bounds."""
+        the stacked A and B^T (and int8 slots' scales), the token slots, per kind the width and the parts'
+        column bounds."""
         slots = self.slots
-        return (slots.flat_a, slots.flat_bt, self.token_slots, [slots.width[kind] for kind in FUSED_PROJECTIONS],
-                [slots.part_columns[kind] for kind in FUSED_PROJECTIONS])
+        kinds = list(FUSED_PROJECTIONS)
+        return (slots.flat_a, slots.flat_bt, slots.flat_scales, self.token_slots,
+                [slots.width[kind] for kind in kinds], [slots.part_columns[kind] for kind in kinds])
 
     def add_(self, out: torch.Tensor, x: torch.Tensor, layer: int, kind: str) -> torch.Tensor:
         """out [T, out] += each row's adapter's x @ A.T @ B.T for projection `kind` of `layer`; returns
         out."""
         if self.native and out.is_contiguous() and out.dtype in _KERNEL_DTYPES and x.dtype in _KERNEL_DTYPES:
             assert self.kernel is not None
-            self.kernel.lora_sgmv(out, x.contiguous(), self.slots.a[layer][kind], self.slots.bt[layer][kind],
+            scales = self.slots.scales[layer][kind] if self.slots.quantized else _NO_SCALES
+            self.kernel.lora_sgmv(out, x.contiguous(), self.slots.a[layer][kind], self.slots.bt[layer][kind], scales,
                                   self.token_slots, self.slots.width[kind], self.slots.part_columns[kind])
             return out
         return self.add_reference_(out, x, layer, kind)
@@ -200,9 +263,12 @@ class LoRABatch:
         """`add_` in PyTorch ops: x @ A.T over the used slots, masked to each row's own slot, then per part
         its rank columns @ its part of the folded B^T."""
         slots, width, rank = self.slots, self.slots.width[kind], self.slots.max_rank
-        a = slots.a[layer][kind][self.lo * width:self.hi * width]
-        bt = slots.bt[layer][kind][self.lo * rank:self.hi * rank]
-        shrunk = torch.mm(x.to(a.dtype), a.T)
+        dtype = self.compute_dtype
+        a = slots.a[layer][kind][self.lo * width:self.hi * width].to(dtype)
+        bt = slots.bt[layer][kind][self.lo * rank:self.hi * rank].to(dtype)
+        shrunk = torch.mm(x.to(dtype), a.T)
+        if slots.quantized:
+            shrunk.mul_(slots.scales[layer][kind][self.lo * width:self.hi * width])
         shrunk.mul_(self._mask(width))
         columns = slots.part_columns[kind]
         parts = shrunk.view(len(shrunk), self.hi - self.lo, len(columns) - 1, rank)

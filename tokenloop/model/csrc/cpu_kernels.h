@@ -93,7 +93,8 @@ void rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& positions, con
 void q4_unpack(const torch::Tensor& nibbles, const torch::Tensor& d, const torch::Tensor& m, torch::Tensor& out);
 // lora_sgmv.cpp
 void lora_sgmv(torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt,
-               const torch::Tensor& token_slots, int64_t width, const std::vector<int64_t>& parts);
+               const torch::Tensor& scales, const torch::Tensor& token_slots, int64_t width,
+               const std::vector<int64_t>& parts);
 // moe_experts.cpp
 void moe_experts(const torch::Tensor& x, const torch::Tensor& router, int64_t top_k, bool normalize,
                  const torch::Tensor& gate_up_codes, const torch::Tensor& gate_up_scales, int64_t gate_up_form,
@@ -111,5 +112,6 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
                    const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    double scale, double eps, bool gelu, const torch::Tensor& final_norm, torch::Tensor& final_out,
                    const std::vector<torch::Tensor>& adapter_a, const std::vector<torch::Tensor>& adapter_bt,
-                   const torch::Tensor& adapter_slots, const std::vector<int64_t>& adapter_widths,
+                   const std::vector<torch::Tensor>& adapter_scales, const torch::Tensor& adapter_slots,
+                   const std::vector<int64_t>& adapter_widths,
                    const std::vector<std::vector<int64_t>>& adapter_parts, torch::Tensor& layer_ticks);

@@ -126,11 +126,14 @@ std::vector<Projection> read_projections(const std::vector<torch::Tensor>& matri
 }
 
 // ---- the step's LoRA products (model/lora_slots.py), added right after each projection ----
-// Per projection (as `matrices`' 4L projections) every slot's stacked A [S*width, in] and folded B^T [S*rank, out];
-// per kind (qkv, o_proj, gate_up, down) its width and its parts' column bounds. Empty: no adapter row.
+// Per projection (as `matrices`' 4L projections) every slot's stacked A [S*width, in] and folded B^T [S*rank, out]
+// (int8 ones with their row scales [S*width], else no scales); per kind (qkv, o_proj, gate_up, down) its width and
+// its parts' column bounds. Empty: no adapter row.
 struct StepAdapters {
   const std::vector<torch::Tensor>& a;
   const std::vector<torch::Tensor>& bt;
+  const std::vector<torch::Tensor>& scales;
+  const torch::Tensor& no_scales;  // what lora_sgmv takes for float A and B^T: an empty tensor
   const torch::Tensor& token_slots;  // [T] int64, each row's slot or -1
   const std::vector<int64_t>& widths;
   const std::vector<std::vector<int64_t>>& parts;
@@ -139,14 +142,17 @@ struct StepAdapters {
     if (a.empty()) return;
     TORCH_CHECK(static_cast<int64_t>(a.size()) == kProjectionsPerLayer * layers && bt.size() == a.size() &&
                     static_cast<int64_t>(widths.size()) == kProjectionsPerLayer &&
-                    static_cast<int64_t>(parts.size()) == kProjectionsPerLayer,
-                "decode_layers: expected an adapter A and B^T per projection, a width and parts per kind");
+                    static_cast<int64_t>(parts.size()) == kProjectionsPerLayer &&
+                    (scales.empty() || scales.size() == a.size()),
+                "decode_layers: expected an adapter A and B^T (and int8 scales) per projection, a width and parts "
+                "per kind");
   }
   // out += each adapted row's (x A^T) B^T for projection `projection` (csrc/lora_sgmv.cpp).
   void add(torch::Tensor& out, const torch::Tensor& x, int64_t projection) const {
     if (a.empty()) return;
     const int64_t kind = projection % kProjectionsPerLayer;
-    lora_sgmv(out, x, a[projection], bt[projection], token_slots, widths[kind], parts[kind]);
+    lora_sgmv(out, x, a[projection], bt[projection], scales.empty() ? no_scales : scales[projection], token_slots,
+              widths[kind], parts[kind]);
   }
 };
 
@@ -207,8 +213,9 @@ std::vector<LayerExperts> read_experts(const std::vector<torch::Tensor>& experts
 // layer_groups [L]: each layer's KV group, which picks from the per-group lists: cos, sin [P, D/2] (the group's
 // rotary table), slots [T] and block_tables [T, max_blocks] int64, windows (0: full attention). positions,
 // seq_lens [T] int64. gelu: the MLP gate is tanh-GELU (GeGLU), else SiLU. adapter_*: the step's LoRA products
-// (`StepAdapters`; empty lists for a step without adapter rows). layer_ticks: one int64, advanced after each
-// layer: the engine core's heartbeat reads it while this call (which releases the GIL) runs (core/heartbeat.py).
+// (`StepAdapters`; empty lists for a step without adapter rows; no scales for float adapters). layer_ticks: one
+// int64, advanced after each layer: the engine core's heartbeat reads it while this call (which releases the
+// GIL) runs (core/heartbeat.py).
 void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norms,
                    const std::vector<torch::Tensor>& matrices, const std::vector<torch::Tensor>& scales,
                    const std::vector<int64_t>& layout, const std::vector<torch::Tensor>& experts,
@@ -220,7 +227,8 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
                    const torch::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    double scale, double eps, bool gelu, const torch::Tensor& final_norm, torch::Tensor& final_out,
                    const std::vector<torch::Tensor>& adapter_a, const std::vector<torch::Tensor>& adapter_bt,
-                   const torch::Tensor& adapter_slots, const std::vector<int64_t>& adapter_widths,
+                   const std::vector<torch::Tensor>& adapter_scales, const torch::Tensor& adapter_slots,
+                   const std::vector<int64_t>& adapter_widths,
                    const std::vector<std::vector<int64_t>>& adapter_parts, torch::Tensor& layer_ticks) {
   const int64_t layers = static_cast<int64_t>(layer_groups.size());
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == kNormsPerLayer * layers &&
@@ -231,7 +239,9 @@ void decode_layers(torch::Tensor& hidden, const std::vector<torch::Tensor>& norm
   int64_t* ticks = layer_ticks.data_ptr<int64_t>();
   const std::vector<Projection> projections = read_projections(matrices, scales, layout, kProjectionsPerLayer * layers);
   const std::vector<LayerExperts> layer_experts = read_experts(experts, expert_layout, projections, layers);
-  const StepAdapters adapters{adapter_a, adapter_bt, adapter_slots, adapter_widths, adapter_parts};
+  const torch::Tensor no_scales = torch::empty({0});
+  const StepAdapters adapters{adapter_a,     adapter_bt,     adapter_scales, no_scales,
+                              adapter_slots, adapter_widths, adapter_parts};
   adapters.check(layers);
   const size_t groups = windows.size();
   TORCH_CHECK(cos.size() == groups && sin.size() == groups && slots.size() == groups &&
