@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--many", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--max-loras", type=int, default=8, help="slots in the --many run")
-    parser.add_argument("--lora-dtype", default="auto", choices=["auto", "int8"], help="the adapters' slots")
+    parser.add_argument("--lora-dtype", default="auto", choices=["auto", "int8", "dense"], help="the adapters' slots")
     args = parser.parse_args()
     options = {} if args.lora_dtype == "auto" else {"lora_dtype": args.lora_dtype}  # trees before the option
     config = load_checkpoint(DEFAULT_MODEL).config
@@ -79,7 +79,7 @@ def main() -> None:
         count = max(args.streams, args.many)
         dirs = {f"ad{i}": write_adapter(Path(tmp) / f"ad{i}", config, args.rank, i) for i in range(count)}
         loads, copies, registers = [], [], []
-        slots = AdapterSlots(config, 1, args.rank, torch.int8 if args.lora_dtype == "int8" else torch.bfloat16)
+        slots = AdapterSlots(config, 1, args.rank, torch.bfloat16 if args.lora_dtype == "dense" else torch.int8)
         for index in range(5):
             adapter = load_adapter(f"x{index}", dirs["ad0"], config, args.rank, torch.bfloat16)
             loads.append(adapter.load_s * 1e3)

@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--products-only", action="store_true", help="skip the engine's steps (part 1)")
-    parser.add_argument("--lora-dtype", default="auto", choices=["auto", "int8"], help="the engine's slots")
+    parser.add_argument("--lora-dtype", default="auto", choices=["auto", "int8", "dense"], help="the engine's slots")
     parser.add_argument("--slot-dtypes", nargs="*", default=[], choices=["float32", "bfloat16", "int8"],
                         help="also time the products alone with the adapters in slots of these dtypes")
     args = parser.parse_args()

@@ -29,25 +29,22 @@ from scripts.bench_forward import build_form
 from scripts.profile_decode_step import KernelTimer
 from tests.model.paged_harness import PagedHarness, Sequence
 from tokenloop.model import int8_gemm
-from tokenloop.model.attention import AttentionMetadata
 from tokenloop.model.loader import load_checkpoint
 from tokenloop.model.models.llama import LlamaModel
 
 
 def chunked_prefill(model: LlamaModel, length: int, chunk: int) -> Callable[[], None]:
-    """A run of one `length`-token prompt in chunks of `chunk` tokens (logits of the last token only)."""
-    block_size = 16
-    blocks = length // block_size + 1
-    kv = model.allocate_kv_cache(blocks, block_size)
-    table = torch.arange(blocks).view(1, -1)
-    ids = torch.randint(model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(1))
+    """A run of one `length`-token prompt in chunks of `chunk` tokens (logits of the last token only), through the
+    test harness's paged KV, which knows models' KV groups (Gemma 3's sliding layers); each run prefills the same
+    blocks again."""
+    harness = PagedHarness(model, num_blocks=length // 16 + 2)
+    generator = torch.Generator().manual_seed(1)
+    sequence = Sequence(torch.randint(model.config.vocab_size, (length,), generator=generator).tolist())
 
     def run() -> None:
+        sequence.num_computed = 0
         for start in range(0, length, chunk):
-            end = min(length, start + chunk)
-            pos = torch.arange(start, end)
-            meta = AttentionMetadata.build([0, end - start], [end], table, pos.clone(), block_size)
-            model.forward(ids[start:end], pos, meta, kv, torch.tensor([end - start - 1]))
+            harness.step([(sequence, min(chunk, length - start))])
 
     return run
 

@@ -260,13 +260,15 @@ class LoRAConfig:
     max_lora_rank: int = 16  # every adapter is padded to this rank; a higher rank is refused at load
     # Loading and unloading at run time (POST /v1/load_lora_adapter): from under this directory; None: off.
     lora_dir: str | None = None
-    # The resident adapters' A and B: "auto" (the projections' dense dtype: bf16 for a packed base, fp32 for an
-    # fp32 model), or "int8" (row scales; a packed base only, else auto): half bf16's bytes a decode step reads,
-    # greedy tokens parting from bf16's at near ties (BENCHMARKS.md, "LoRA 8x8 (issue 32; branch lora4)").
+    # The resident adapters' A and B: "dense" (the projections' dense dtype: bf16 for a packed base, fp32 for an
+    # fp32 model), "int8" (row scales; a packed base only, else dense): half bf16's bytes a decode step reads, as
+    # close to the adapter as written (fp32) as bf16 is (BENCHMARKS.md, "LoRA 8x8 (issue 32; branch lora4)"), or
+    # "auto": int8 on a packed base, else dense.
     lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.lora_dtype in ("auto", "int8"), f"lora_dtype must be auto or int8, got {self.lora_dtype!r}")
+        _require(self.lora_dtype in ("auto", "int8", "dense"),
+                 f"lora_dtype must be auto, int8 or dense, got {self.lora_dtype!r}")
         _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
         _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         names = [name for name, _ in self.adapters]

@@ -176,7 +176,7 @@ def test_adapter_bf16_rounding_equals_torch() -> None:
     assert torch.equal(_to_dtype(values.numpy().copy(), torch.bfloat16), values.to(torch.bfloat16))
 
 
-def test_int8_slots_only_where_asked_on_a_packed_base() -> None:
+def test_int8_slots_on_a_packed_base_unless_dense_is_asked() -> None:
     from tokenloop.config import build_engine_config
     from tokenloop.core.adapters import adapter_dtype
     from tokenloop.errors import ConfigError
@@ -184,8 +184,10 @@ def test_int8_slots_only_where_asked_on_a_packed_base() -> None:
 
     packed, fp32 = DtypeChoice("float32", "quantized", "-"), DtypeChoice("float32", "float32", "-")
     bf16 = DtypeChoice("float32", "bfloat16", "-")
-    assert adapter_dtype(packed) == torch.bfloat16 and adapter_dtype(packed, "int8") == torch.int8
-    assert adapter_dtype(fp32, "int8") == torch.float32 and adapter_dtype(bf16, "int8") == torch.bfloat16
+    assert adapter_dtype(packed) == adapter_dtype(packed, "int8") == torch.int8
+    assert adapter_dtype(packed, "dense") == torch.bfloat16  # the large-batch copy's dtype
+    assert adapter_dtype(fp32) == adapter_dtype(fp32, "int8") == torch.float32
+    assert adapter_dtype(bf16, "int8") == adapter_dtype(bf16, "dense") == torch.bfloat16
     from tokenloop.cli import _engine_options, build_parser
 
     args = build_parser().parse_args(["serve", "--lora", "a=/x", "--lora-dtype", "int8"])

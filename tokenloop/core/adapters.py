@@ -25,12 +25,12 @@ logger = logging.getLogger(__name__)
 
 def adapter_dtype(choice: DtypeChoice | None, requested: str = "auto") -> torch.dtype:
     """The adapters' slot dtype: the projections' where dense fp32 / bf16 (so fp32 models keep fp32 adapters),
-    else the large-batch copy's (bf16 where the CPU has native bf16 dot products); with `requested` "int8" and
-    a packed (quantized) base, int8 with row scales: a decode step streams every used slot's A and B from
-    memory, and int8 halves bf16's bytes (8 streams x 8 adapters: 78 MB a step in bf16)."""
+    else the large-batch copy's (bf16 where the CPU has native bf16 dot products); with `requested` "auto" or
+    "int8" and a packed (quantized) base, int8 with row scales: a decode step streams every used slot's A and B
+    from memory, and int8 halves bf16's bytes (8 streams x 8 adapters: 78 MB a step in bf16)."""
     if choice is None:
         return torch.float32
-    if requested == "int8" and choice.weights == "quantized":
+    if requested in ("auto", "int8") and choice.weights == "quantized":
         return torch.int8
     form = choice.weights if choice.weights in ("float32", "bfloat16") else choice.dense_copy
     if choice.weights == "float16":
