@@ -95,10 +95,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                       help="adapters resident at once; a step runs at most this many (least recently used "
                            "swapped out; default 4)")
     lora.add_argument("--max-lora-rank", type=positive_int, help="highest adapter rank served (default 16)")
-    lora.add_argument("--lora-dtype", choices=["auto", "int8", "dense"],
-                      help="resident adapters: int8 with row scales (a packed base only: half bf16's bytes a "
-                           "decode step reads), dense (the base's dense dtype: bf16 on a packed base, fp32 on an "
-                           "fp32 model), or auto (int8 on a packed base, else dense; the default)")
+    lora.add_argument("--lora-dtype", choices=["auto", "int8", "dense"], help="resident adapters: int8 with row "
+                      "scales (packed base only), dense (the base's dense dtype), or auto (int8 on a packed base)")
     lora.add_argument("--lora-dir", help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter, for "
                                          "adapters under this directory (default: off)")
     spec = parser.add_argument_group("speculative decoding (n-gram prompt lookup; greedy requests only)")
