@@ -48,7 +48,7 @@ class AdapterStage:
         self.config = config
         self.model_config = model.config
         self.slots = AdapterSlots(model.config, config.max_loras, config.max_lora_rank, dtype, model.device)
-        # int8 slots quantize each adapter as it is copied in; the registered copy stays bf16.
+        # int8 slots: each adapter is registered in bf16 and quantized once then (AdapterSlots.register).
         self.host_dtype = torch.bfloat16 if dtype == torch.int8 else dtype
         for name, path in config.adapters:
             self.load(name, path, at_start=True)
